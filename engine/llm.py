@@ -1,0 +1,82 @@
+"""The offline Python API, in the style of vLLM: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+from rich.progress import Progress
+
+from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .engine import LLMEngine, RequestOutput
+from .loader import LoadedModel
+from .sampling import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    ``model``: a Hugging Face directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 block_size: int = 16, kv_cache_bytes: int = 512 * 1024**2, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, max_model_len: int = 2048, seed: int = 0,
+                 loaded: LoadedModel | None = None):
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device, seed=seed,
+            cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+        )
+        self.engine = LLMEngine(config, loaded)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); one RequestOutput per prompt and sample."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Seq) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams or one per prompt")
+        ids = []
+        for prompt, p in zip(prompts, params_list):
+            rid = f"gen-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, p)
+            ids.append(rid)
+        t0 = time.perf_counter()
+        results: dict[str, list[RequestOutput]] = {}
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task("generating", total=len(ids))
+            while self.engine.has_unfinished:
+                self.engine.step()
+                for rid in ids:
+                    if rid not in results:
+                        done = self.engine.pop_finished(rid)
+                        if done is not None:
+                            results[rid] = done
+                            bar.advance(task)
+        elapsed = time.perf_counter() - t0
+        outputs = [o for rid in ids for o in results[rid]]
+        for o in outputs:
+            o.metrics["batch_seconds"] = elapsed
+        return outputs
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             progress: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conv) for conv in convs]
+        return self.generate(prompts, sampling_params, progress)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -1,0 +1,102 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding options (vLLM's names and defaults, except ``max_tokens``)."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = no limit
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (no limit) or a positive integer, got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """The distribution a sampled request draws from: softmax(logits / T) restricted to top-k/top-p.
+
+    logits [R, V]; temperature [R] (> 0); top_k [R] int (<= 0: no limit); top_p [R] -> probs [R, V].
+    Used by the sampler and by speculative verification, so both see the same distribution.
+    """
+    logits = logits.float() / temperature[:, None]
+    needs_filter = bool(((top_k > 0) | (top_p < 1.0)).any())
+    if needs_filter:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
+        rank = torch.arange(logits.shape[-1], device=logits.device)  # [V]
+        k = torch.where(top_k > 0, top_k, logits.shape[-1])  # [R]
+        drop = rank[None, :] >= k[:, None]  # [R, V] beyond top-k
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the first token).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [R, V]
+        drop |= mass_before >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits.softmax(dim=-1)
+
+
+def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None],
+                default_generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [R, V] with each row's own generator -> [R] int64.
+
+    Exponential race (argmax p / E, E ~ Exp(1)) is exact sampling and needs one random vector per
+    row, drawn on the CPU from that row's generator so a seeded request gives the same tokens
+    whatever else is in the batch, on any device.
+    """
+    noise = torch.empty(probs.shape, dtype=torch.float32)
+    for row, gen in enumerate(generators):
+        noise[row].exponential_(generator=gen or default_generator)
+    return (probs / noise.to(probs.device)).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           default_generator: torch.Generator) -> torch.Tensor:
+    """logits [R, V] -> token ids [R] int64; greedy rows take the argmax."""
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        device = logits.device
+        rows = torch.tensor(sampled_rows, device=device)
+        sel = [params[i] for i in sampled_rows]
+        probs = probabilities(
+            logits[rows],
+            torch.tensor([p.temperature for p in sel], device=device),
+            torch.tensor([p.top_k for p in sel], device=device),
+            torch.tensor([p.top_p for p in sel], device=device),
+        )
+        tokens[rows] = sample_from(probs, [generators[i] for i in sampled_rows], default_generator)
+    return tokens

@@ -1,0 +1,1 @@
+"""specplan.planner"""

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random-weight Llama / Qwen2 models built in the test, no files, no hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+def tiny_hf_model(arch: str = "llama", *, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
+    """A random-weight transformers model small enough to run a step in milliseconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.15, rms_norm_eps=1e-6, bos_token_id=None, pad_token_id=None,
+                  eos_token_id=None)
+    common.update(overrides)
+    if arch == "llama":
+        cfg, cls = LlamaConfig(architectures=["LlamaForCausalLM"], **common), LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = Qwen2Config(architectures=["Qwen2ForCausalLM"], **common), Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype).eval()
+    if arch == "qwen2":  # transformers initialises biases to zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    return model
+
+
+def loaded_from_hf(model, name: str = "tiny"):
+    from specplan.engine.config import ModelConfig
+    from specplan.engine.loader import LoadedModel
+
+    return LoadedModel(config=ModelConfig.from_hf(model.config, name=name),
+                       weights={k: v.detach().clone() for k, v in model.state_dict().items()},
+                       tokenizer=None, path=Path("."), name=name)
+
+
+def tiny_llm(model, *, dtype: torch.dtype = torch.float64, **kwargs):
+    from specplan.engine import LLM
+
+    kwargs.setdefault("kv_cache_bytes", 8 * 1024**2)
+    kwargs.setdefault("block_size", 4)
+    return LLM(loaded=loaded_from_hf(model), dtype=dtype, **kwargs)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return tiny_hf_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2():
+    return tiny_hf_model("qwen2")
