@@ -55,6 +55,8 @@ class ModelConfig:
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"unsupported activation {act!r} (only silu)")
+        if getattr(hf_config, "mlp_bias", False):
+            raise UnsupportedModelError("unsupported: biases on the MLP projections (mlp_bias=true)")
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         inv_freq, attn_scaling = _rope_parameters(hf_config)
@@ -125,3 +127,17 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: "SpecConfig | None" = None  # None: no speculation
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: which proposer, and the most drafts per request per step."""
+
+    proposer: str = "ngram"  # ngram | suffix | layer-skip | draft
+    k: int = 4  # drafts per request for the fixed-k decider (a planner decides otherwise)
+    max_k: int = 8  # cap on any decider's choice (bounds lookahead slots and verify width)
+    draft_model: str | None = None  # for "draft": HF directory or .gguf with the target's vocabulary
+    draft_layers: int = 4  # for "layer-skip": the target's first N layers
+    ngram_min: int = 1
+    ngram_max: int = 4

