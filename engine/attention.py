@@ -45,8 +45,9 @@ class AttentionPlan:
         starts = [0]
         for n in batch.query_lens_host:
             starts.append(starts[-1] + n)
-        short = [i for i, n in enumerate(batch.query_lens_host) if n <= MAX_BATCHED_QUERY_LEN]
-        long = [i for i, n in enumerate(batch.query_lens_host) if n > MAX_BATCHED_QUERY_LEN]
+        trees = batch.tree_masks or {}
+        short = [i for i, n in enumerate(batch.query_lens_host) if n <= MAX_BATCHED_QUERY_LEN or i in trees]
+        long = [i for i, n in enumerate(batch.query_lens_host) if n > MAX_BATCHED_QUERY_LEN and i not in trees]
         members = ([short] if short else []) + [[i] for i in long]
         groups = []
         for reqs in members:
@@ -65,6 +66,14 @@ class AttentionPlan:
             mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [b, max_q, L] causal
             if sliding_window is not None:
                 mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+            for row, i in enumerate(reqs):
+                if i in trees:  # context (slots < c) plus the node's ancestors among the tree's slots
+                    nodes = batch.query_lens_host[i]
+                    c = batch.seq_lens_host[i] - nodes
+                    mask[row, :, c:] = False
+                    mask[row, :nodes, :c] = True
+                    mask[row, :nodes, c:c + nodes] = trees[i]
+                    mask[row, nodes:] = mask[row, nodes - 1]  # padding rows copy a real row
             mask = mask[:, :, None, :].expand(-1, -1, group_size, -1)  # [b, max_q, G, L]
             mask = mask.reshape(len(reqs), 1, max_q * group_size, -1)  # [b, 1, max_q*G, L]
             idx = torch.tensor(reqs, dtype=torch.int64, device=device)

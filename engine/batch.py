@@ -16,6 +16,11 @@ Worked example (block_size 4). Three requests:
   slot_mapping[i] = block_table[req][pos // 4] * 4 + pos % 4   (where token i's K/V is written)
 
 A query token at position p of request r attends to that request's keys at positions 0..p.
+
+Tree verification (several candidate continuations in one pass): a request's query tokens are
+the nodes of a draft tree, node t written to the KV slot of position c + t (c = tokens already
+cached) but rotated at position c + depth(t); it attends to the cached context and to its own
+ancestors. ``tree_masks`` holds, per such request, the [nodes, nodes] ancestor-or-self matrix.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class TokenBatch:
     # Host-side copies so attention can plan without syncing the device.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # request index -> [num_nodes, num_nodes] bool, True where node t may attend to node u
+    tree_masks: dict[int, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

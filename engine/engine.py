@@ -15,12 +15,16 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .decider import FixedDecider, RequestRecord, SpecDecider, StepRecord
 from .loader import LoadedModel, load_model
+from .metrics import SpecStats
 from .model import Model
-from .model_runner import ModelRunner, ScheduledSeq
-from .sampling import SamplingParams, sample
+from .model_runner import ModelRunner, ScheduledSeq, allocate_kv_cache, kv_bytes_per_block
+from .proposers.factory import make_draft_model, make_proposer
+from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence
+from .speculation import Speculator, verify
 
 
 class RequestError(ValueError):
@@ -39,33 +43,41 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 
-@dataclass
-class StepStats:
-    num_seqs: int
-    num_tokens: int
-    num_decode_seqs: int
-    seconds: float
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None,
+                 decider: SpecDecider | None = None, draft_loaded: LoadedModel | None = None):
         self.config = config
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.model = Model(loaded.config, loaded.weights, config.device, config.dtype)
-        self.runner = ModelRunner(self.model, config.cache)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size)
+        block_size = config.cache.block_size
+        spec = config.spec
+        draft = make_draft_model(spec, self.model, config, draft_loaded) if spec is not None else None
+        per_block = kv_bytes_per_block(loaded.config, block_size, config.dtype)
+        if draft is not None and not draft.shares_target_kv:
+            per_block += kv_bytes_per_block(draft.model.config, block_size, config.dtype)
+        num_blocks = config.cache.kv_cache_bytes // per_block
+        self.block_manager = BlockManager(num_blocks, block_size)
+        kv = allocate_kv_cache(loaded.config, num_blocks, block_size, config.dtype, self.model.device)
+        self.runner = ModelRunner(self.model, kv, block_size)
         self.max_model_len = min(config.scheduler.max_model_len, loaded.config.max_position_embeddings)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.speculator: Speculator | None = None
+        if spec is not None:
+            proposer = make_proposer(spec, draft, self.runner, self.block_manager, self.default_generator)
+            self.speculator = Speculator(proposer, decider or FixedDecider(spec.k), spec.max_k, self.block_manager)
+        elif decider is not None:
+            raise ValueError("a decider needs speculation enabled (EngineConfig.spec)")
         self._seq_ids = itertools.count()
         self._by_request: dict[str, list[Sequence]] = {}
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.last_step: StepStats | None = None
+        self.last_step: StepRecord | None = None
+        self.stats = SpecStats()
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -113,7 +125,7 @@ class LLMEngine:
         """Cancel a request: its sequences stop and their KV blocks return to the pool."""
         for seq in self._by_request.pop(request_id, []):
             if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+                self._finish(seq, "abort")
 
     @property
     def has_unfinished(self) -> bool:
@@ -129,29 +141,78 @@ class LLMEngine:
         work = []
         for seq, n in out.scheduled:
             start = seq.num_computed_tokens
-            done_prefill = start + n == seq.num_tokens
-            work.append(ScheduledSeq(seq, seq.token_ids[start:start + n], start, 1 if done_prefill else 0))
+            samples = start + n == seq.num_tokens  # the chunk ends the known tokens: sample after it
+            work.append(ScheduledSeq(seq, seq.token_ids[start:start + n], start, 1 if samples else 0))
+        ready = [i for i, w in enumerate(work) if w.num_logits and len(w.token_ids) == 1]  # decode steps
+        proposal = None
+        if self.speculator is not None and ready:
+            others = [w for i, w in enumerate(work) if i not in set(ready)]
+            extra = dict(num_prefill_tokens=sum(len(w.token_ids) for w in others), num_prefill_seqs=len(others),
+                         context_tokens=sum(w.start_position + len(w.token_ids) for w in work))
+            budget = self.config.scheduler.max_num_batched_tokens - out.num_tokens
+            proposal = self.speculator.plan([work[i] for i in ready], extra, budget, self.max_model_len)
+            for i, item in zip(ready, Speculator.draft_items([work[i] for i in ready], proposal)):
+                work[i] = item
+        t1 = time.perf_counter()
         batch = self.runner.build_batch(work, self.block_manager)
         logits = self.runner.execute(batch)
-        sampling = [w for w in work if w.num_logits]
-        tokens = sample(logits, [w.seq.params for w in sampling], [w.seq.generator for w in sampling],
-                        self.default_generator).tolist() if sampling else []
+        t2 = time.perf_counter()
+        items = [w for w in work if w.num_logits]
+        verdicts = verify(logits, items, self.default_generator)
+        t3 = time.perf_counter()
+        emitted: dict[int, int] = {}
         for w in work:
-            w.seq.num_computed_tokens += len(w.token_ids)
-        now = time.perf_counter()
-        for w, token in zip(sampling, tokens):
-            self._append_tokens(w.seq, [token], now)
-        self.last_step = StepStats(
-            num_seqs=len(work), num_tokens=batch.num_tokens,
-            num_decode_seqs=sum(1 for w in work if len(w.token_ids) == 1), seconds=now - t0)
-        return [w.seq for w in sampling]
+            if not w.num_logits:  # a prefill chunk that does not reach the end of the prompt
+                w.seq.num_computed_tokens += len(w.token_ids)
+        for w, v in zip(items, verdicts):
+            seq = w.seq
+            if w.tree is not None and v.path:
+                # Keep the accepted branch's K/V: node t's slot (c + t) moves to position c + depth.
+                self.runner.copy_slots([self.block_manager.slot(seq, w.start_position + t) for t in v.path],
+                                       [self.block_manager.slot(seq, w.start_position + 1 + j)
+                                        for j in range(len(v.path))])
+            # K/V is valid for the fed tokens up to the last accepted draft.
+            seq.num_computed_tokens = w.start_position + len(w.token_ids) - w.num_drafts + v.num_accepted
+            emitted[seq.seq_id] = self._append_tokens(seq, v.tokens, t3)
+            if not seq.is_finished:
+                self.block_manager.trim(seq, seq.num_tokens)  # roll back rejected lookahead slots
+        total = time.perf_counter() - t0
+        self._record(work, ready, proposal, verdicts, items, emitted, batch.num_tokens,
+                     (t1 - t0, t2 - t1, t3 - t2, total))
+        return [w.seq for w in items]
 
-    def _append_tokens(self, seq: Sequence, new_tokens: list[int], now: float) -> None:
-        """Append accepted tokens one at a time, stopping at the first stop condition."""
+    def _record(self, work, ready, proposal, verdicts, items, emitted, num_tokens, times) -> None:
+        by_seq = {w.seq.seq_id: v for w, v in zip(items, verdicts)}
+        reqs = []
+        for j, i in enumerate(ready):
+            w = work[i]
+            v = by_seq[w.seq.seq_id]
+            natural = None
+            if proposal is not None and proposal.drafts is not None and proposal.drafts.natural_k is not None:
+                natural = proposal.drafts.natural_k[j]
+            reqs.append(RequestRecord(
+                seq_id=w.seq.seq_id, request_id=w.seq.request_id,
+                k=proposal.k[j] if proposal is not None else 0, num_proposed=w.num_drafts,
+                num_accepted=v.num_accepted, num_emitted=emitted[w.seq.seq_id], natural_k=natural))
+        propose_s, forward_s, verify_s, total_s = times
+        record = StepRecord(
+            requests=tuple(reqs), num_seqs=len(work), num_tokens=num_tokens,
+            num_prefill_tokens=sum(len(w.token_ids) for i, w in enumerate(work) if i not in set(ready)),
+            context_tokens=sum(w.start_position + len(w.token_ids) for w in work),
+            propose_s=propose_s, forward_s=forward_s, verify_s=verify_s, total_s=total_s)
+        self.last_step = record
+        self.stats.add(record)
+        for r, i in zip(reqs, ready):
+            work[i].seq.spec.add(r)
+        if self.speculator is not None:
+            self.speculator.decider.observe(record)
+
+    def _append_tokens(self, seq: Sequence, new_tokens: list[int], now: float) -> int:
+        """Append accepted tokens one at a time, stopping at the first stop condition; returns how many."""
         if seq.first_token_time is None:
             seq.first_token_time = now
         p = seq.params
-        for token in new_tokens:
+        for n, token in enumerate(new_tokens, start=1):
             seq.token_ids.append(token)
             reason = None
             if not p.ignore_eos and token in self.eos_token_ids:
@@ -170,8 +231,14 @@ class LLMEngine:
                 if not p.stop:
                     seq.text = self.detokenize(seq)
                 seq.finish_time = now
-                self.scheduler.finish(seq, reason)
-                return
+                self._finish(seq, reason)
+                return n
+        return len(new_tokens)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if self.speculator is not None:
+            self.speculator.proposer.on_finished(seq)
 
     def detokenize(self, seq: Sequence) -> str:
         if self.tokenizer is None:
@@ -193,7 +260,7 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         text = seq.text if seq.is_finished else self.detokenize(seq)
         metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
-                   "finish_time": seq.finish_time}
+                   "finish_time": seq.finish_time, "spec": seq.spec.as_dict()}
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text,
                              seq.is_finished, seq.finish_reason, seq.num_preemptions, metrics)
 

@@ -9,7 +9,8 @@ from collections.abc import Sequence as Seq
 import torch
 from rich.progress import Progress
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from .decider import SpecDecider
 from .engine import LLMEngine, RequestOutput
 from .loader import LoadedModel
 from .sampling import SamplingParams
@@ -19,19 +20,24 @@ class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
     ``model``: a Hugging Face directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
+    ``speculative_config``: None (no speculation), a SpecConfig, or a dict of its fields, e.g.
+    ``{"proposer": "ngram", "k": 4}``. ``decider``: who picks k per request each step (default:
+    the fixed k of the config; specplan's planner for adaptive speculation).
     """
 
     def __init__(self, model: str | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  block_size: int = 16, kv_cache_bytes: int = 512 * 1024**2, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int = 2048, seed: int = 0,
-                 loaded: LoadedModel | None = None):
+                 speculative_config: SpecConfig | dict | None = None, decider: SpecDecider | None = None,
+                 loaded: LoadedModel | None = None, draft_loaded: LoadedModel | None = None):
+        spec = SpecConfig(**speculative_config) if isinstance(speculative_config, dict) else speculative_config
         config = EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed,
+            model=model, dtype=dtype, device=device, seed=seed, spec=spec,
             cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
         )
-        self.engine = LLMEngine(config, loaded)
+        self.engine = LLMEngine(config, loaded, decider, draft_loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -7,6 +7,8 @@ fp32 (RMSNorm in fp32, RoPE in rotate-half layout, tied embeddings).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +98,15 @@ class Model:
         self.scale = c.head_dim ** -0.5
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+
+    def truncated(self, num_layers: int) -> "Model":
+        """The first ``num_layers`` layers with the same embedding, final norm and LM head (shared
+        tensors, no copy): the layer-skip draft."""
+        draft = copy.copy(self)
+        draft.layers = self.layers[:num_layers]
+        draft.config = dataclasses.replace(self.config, num_layers=num_layers,
+                                           name=f"{self.config.name}[:{num_layers}]")
+        return draft
 
     @torch.inference_mode()
     def forward(self, batch: TokenBatch, kv_cache: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -12,8 +12,9 @@ import torch
 
 from .batch import TokenBatch
 from .block_manager import BlockManager
-from .config import CacheConfig, ModelConfig
+from .config import ModelConfig
 from .model import Model
+from .proposers.base import DraftTree
 from .sequence import Sequence
 
 
@@ -25,6 +26,12 @@ class ScheduledSeq:
     token_ids: list[int]  # query tokens fed this step (a prefill chunk, the last token, or 1 + drafts)
     start_position: int  # position of token_ids[0] (= tokens already in the KV cache)
     num_logits: int  # logits wanted for the last num_logits query tokens (0: mid-prefill chunk)
+    tree: DraftTree | None = None  # token_ids are this tree's nodes (root first)
+    draft_probs: torch.Tensor | None = None  # [num_drafts, V] q of a sampled model draft; None = one-hot
+
+    @property
+    def num_drafts(self) -> int:
+        return max(self.num_logits - 1, 0)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -32,17 +39,20 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
 
 
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """[num_layers, 2 (K, V), num_blocks, block_size, KVH, D]; zeros so padded reads stay finite."""
+    return torch.zeros((config.num_layers, 2, max(num_blocks, 1), block_size, config.num_kv_heads,
+                        config.head_dim), dtype=dtype, device=device)
+
+
 class ModelRunner:
-    def __init__(self, model: Model, cache_config: CacheConfig):
+    """Runs ``model`` over the KV cache ``kv_cache`` (a draft model gets its own runner)."""
+
+    def __init__(self, model: Model, kv_cache: torch.Tensor, block_size: int):
         self.model = model
-        self.block_size = cache_config.block_size
-        c = model.config
-        self.num_blocks = cache_config.kv_cache_bytes // kv_bytes_per_block(c, self.block_size, model.dtype)
-        # [num_layers, 2 (K, V), num_blocks, block_size, KVH, D]; zeros so padded reads stay finite.
-        self.kv_cache = torch.zeros(
-            (c.num_layers, 2, max(self.num_blocks, 1), self.block_size, c.num_kv_heads, c.head_dim),
-            dtype=model.dtype, device=model.device,
-        )
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, KVH, D]
+        self.block_size = block_size
 
     def build_batch(self, scheduled: list[ScheduledSeq], block_manager: BlockManager) -> TokenBatch:
         device = self.model.device
@@ -50,13 +60,18 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_lens, seq_lens, logits_indices = [], [], []
-        for s in scheduled:
+        tree_masks: dict[int, torch.Tensor] = {}
+        for i, s in enumerate(scheduled):
             n = len(s.token_ids)
             offset = len(input_ids)
             input_ids.extend(s.token_ids)
             pos = range(s.start_position, s.start_position + n)
-            positions.extend(pos)
             slots.extend(block_manager.slot(s.seq, p) for p in pos)
+            if s.tree is None:
+                positions.extend(pos)
+            else:  # node t sits in slot c + t but is rotated at its depth
+                positions.extend(s.start_position + d for d in s.tree.depth())
+                tree_masks[i] = _ancestor_mask(s.tree).to(device)
             query_lens.append(n)
             seq_lens.append(s.start_position + n)
             logits_indices.extend(range(offset + n - s.num_logits, offset + n))
@@ -79,9 +94,26 @@ class ModelRunner:
             logits_indices=t(logits_indices, torch.int64),
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
+            tree_masks=tree_masks or None,
         )
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Move K/V (all layers) from slots src to slots dst: keeps an accepted tree branch."""
+        kv = self.kv_cache.flatten(2, 3)  # [num_layers, 2, num_slots, KVH, D]
+        device = kv.device
+        src_t = torch.tensor(src, dtype=torch.int64, device=device)
+        kv.index_copy_(2, torch.tensor(dst, dtype=torch.int64, device=device), kv.index_select(2, src_t))
 
     def execute(self, batch: TokenBatch) -> torch.Tensor:
         """Run one forward pass; logits [len(logits_indices), V] in fp32."""
         hidden = self.model.forward(batch, self.kv_cache, self.block_size)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+
+def _ancestor_mask(tree: DraftTree) -> torch.Tensor:
+    """[nodes, nodes] bool: row t is True at t and at each of t's ancestors."""
+    n = len(tree.tokens)
+    mask = torch.eye(n, dtype=torch.bool)
+    for t in range(1, n):
+        mask[t] |= mask[tree.parents[t]]
+    return mask

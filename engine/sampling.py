@@ -21,6 +21,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Force this request's number of speculative tokens per step (0 = never speculate); None lets
+    # the engine's decider choose. specplan's extension (the server's {"spec": {"k": ...}}).
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,6 +41,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (no limit) or a positive integer, got {self.top_k!r}")
+        if self.num_speculative_tokens is not None and (
+                not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

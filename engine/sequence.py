@@ -8,6 +8,7 @@ from enum import Enum, auto
 
 import torch
 
+from .metrics import SpecCounters
 from .sampling import SamplingParams
 
 
@@ -37,6 +38,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""  # detokenized output, truncated at a stop string
+    spec: SpecCounters = field(default_factory=SpecCounters)  # this request's speculation counters
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,0 +1,87 @@
+"""The hook through which a planner steers speculation: ``SpecDecider``.
+
+Each step the engine shows the decider the requests that are ready to decode (a ``StepView``) and
+asks for k per request (0 = no speculation for that request). After the step it reports what
+happened (a ``StepRecord``): per request how many drafts were proposed and accepted, and the
+step's time split into propose / forward / verify. The engine defines this protocol and ships a
+fixed-k decider; specplan's planner implements it (the engine never imports the planner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class RequestView:
+    seq_id: int
+    request_id: str
+    num_tokens: int  # context length (prompt + output so far)
+    num_output_tokens: int
+    max_k: int  # the most drafts worth verifying (bounded by max_tokens, context and the engine's k cap)
+    greedy: bool
+
+
+@dataclass(frozen=True)
+class StepView:
+    requests: tuple[RequestView, ...]  # decode-ready requests, in batch order
+    num_prefill_tokens: int  # prefill-chunk tokens already scheduled into this step
+    num_prefill_seqs: int
+    context_tokens: int  # KV tokens the step's attention reads, over all its sequences
+    proposer: str
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    seq_id: int
+    request_id: str
+    k: int  # drafts asked for (after the engine's caps and KV reservation)
+    num_proposed: int  # drafts the proposer produced (<= k; 0 when it found no match)
+    num_accepted: int  # accepted drafts (the bonus / recovered token not counted)
+    num_emitted: int  # tokens appended this step (accepted + 1, less if a stop truncated)
+    natural_k: int | None = None  # the proposer's own preferred length, if it has one
+
+    @property
+    def accepted_per_position(self) -> tuple[bool, ...]:
+        """Position j was accepted iff j < num_accepted (drafts are verified left to right)."""
+        return tuple(j < self.num_accepted for j in range(self.num_proposed))
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    requests: tuple[RequestRecord, ...]  # decode requests of this step, in batch order
+    num_seqs: int  # all sequences in the step (decodes and prefill chunks)
+    num_tokens: int  # query tokens in the forward pass
+    num_prefill_tokens: int
+    context_tokens: int
+    propose_s: float
+    forward_s: float
+    verify_s: float
+    total_s: float
+
+
+@runtime_checkable
+class SpecDecider(Protocol):
+    def decide(self, view: StepView) -> list[int]:
+        """k per request of ``view.requests`` (0 = no speculation); the engine caps each at max_k."""
+        ...
+
+    def observe(self, record: StepRecord) -> None:
+        """What happened in the step (acceptance, timings): for deciders that learn."""
+        ...
+
+
+class FixedDecider:
+    """The same k for every request, every step (what serving stacks do today)."""
+
+    def __init__(self, k: int):
+        if k < 0:
+            raise ValueError("k must be >= 0")
+        self.k = k
+
+    def decide(self, view: StepView) -> list[int]:
+        return [self.k] * len(view.requests)
+
+    def observe(self, record: StepRecord) -> None:
+        pass

@@ -1,0 +1,75 @@
+"""The proposer interface: guess up to k_i tokens for each request, cheaply.
+
+Glossary (as in vLLM's spec-decode):
+  draft tokens      the proposer's guesses for the next tokens of a request
+  accepted tokens   the longest prefix of the drafts the target model agrees with
+  bonus token       the target's own next token when every draft was accepted
+  recovered token   the token sampled from the residual distribution after a rejection
+  lookahead slots   KV slots reserved for the draft tokens before the verify forward pass
+
+A linear proposal is a list of tokens. A tree proposal (several candidate continuations, from the
+suffix proposer) is a list of nodes: node 0 is the request's last committed token (the root,
+not a draft), node i > 0 holds a draft token and its parent's index (< i). A linear proposal of
+n tokens is the chain ``parents = [-1, 0, 1, ..., n-1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..sequence import Sequence
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]  # [num_nodes]; tokens[0] is the root (last committed token)
+    parents: tuple[int, ...]  # [num_nodes]; parents[0] == -1, parents[i] < i
+    counts: tuple[int, ...] = ()  # [num_nodes] how often each branch was seen (suffix proposer)
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.tokens) - 1
+
+    def depth(self) -> list[int]:
+        d = [0] * len(self.tokens)
+        for i in range(1, len(self.tokens)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents) if i > 0)
+
+
+@dataclass
+class DraftTokens:
+    """A proposer's answer for B requests (in the order asked)."""
+
+    token_ids: list[list[int]]  # per request, the linear draft (len <= k_i; [] = no proposal)
+    # Per request [len_i, V] draft distributions q, for a sampled model draft; None = one-hot drafts.
+    draft_probs: list[torch.Tensor | None] | None = None
+    # Per request, a tree of candidates instead of (or as well as) the linear draft; None = linear.
+    trees: list[DraftTree | None] | None = None
+    # Per request, the length the proposer itself would choose (e.g. from the match length).
+    natural_k: list[int] | None = None
+    seconds: float = 0.0  # wall time spent proposing
+
+    def num_drafts(self, i: int) -> int:
+        if self.trees is not None and self.trees[i] is not None:
+            return self.trees[i].num_drafts
+        return len(self.token_ids[i])
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, seqs: list[Sequence], k: list[int]) -> DraftTokens:
+        """Drafts for each sequence; at most k[i] draft tokens for sequence i (k[i] == 0: none)."""
+        ...
+
+    def on_finished(self, seq: Sequence) -> None:
+        """A sequence finished (proposers that learn across requests may keep its output)."""
+        ...

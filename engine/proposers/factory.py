@@ -1,0 +1,57 @@
+"""Building the proposer an engine was configured with (see ``base.Proposer`` for the interface)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..block_manager import BlockManager
+from ..config import EngineConfig, SpecConfig
+from ..loader import LoadedModel, load_model
+from ..model import Model
+from ..model_runner import ModelRunner, allocate_kv_cache
+from .base import Proposer
+from .draft_model import DraftModel, DraftModelProposer
+
+PROPOSERS = ("ngram", "suffix", "layer-skip", "draft")
+
+
+def make_draft_model(spec: SpecConfig, target: Model, config: EngineConfig,
+                     loaded: LoadedModel | None = None) -> DraftModel | None:
+    """The draft model for the model-based proposers, None for the others (``loaded``: already in memory)."""
+    if spec.proposer == "layer-skip":
+        n = spec.draft_layers
+        if not 1 <= n < target.config.num_layers:
+            raise ValueError(f"draft_layers must be in [1, {target.config.num_layers - 1}], got {n}")
+        return DraftModel(target.truncated(n), shares_target_kv=True)
+    if spec.proposer == "draft":
+        if loaded is None:
+            if spec.draft_model is None:
+                raise ValueError("the draft proposer needs a draft model (--draft-model PATH)")
+            loaded = load_model(spec.draft_model, dtype=config.dtype)
+        if loaded.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({loaded.config.vocab_size}) differs from the "
+                             f"target's ({target.config.vocab_size}); use a draft from the same family")
+        return DraftModel(Model(loaded.config, loaded.weights, target.device, config.dtype), shares_target_kv=False)
+    return None
+
+
+def make_proposer(spec: SpecConfig, draft: DraftModel | None, target_runner: ModelRunner,
+                  block_manager: BlockManager, default_generator: torch.Generator) -> Proposer:
+    if spec.proposer == "ngram":
+        from .ngram import NgramProposer
+
+        return NgramProposer(min_n=spec.ngram_min, max_n=spec.ngram_max)
+    if spec.proposer == "suffix":
+        from .suffix import SuffixProposer
+
+        return SuffixProposer()
+    if spec.proposer in ("layer-skip", "draft"):
+        assert draft is not None
+        if draft.shares_target_kv:
+            kv = target_runner.kv_cache[: draft.model.config.num_layers]
+        else:
+            kv = allocate_kv_cache(draft.model.config, block_manager.num_blocks, block_manager.block_size,
+                                   draft.model.dtype, draft.model.device)
+        runner = ModelRunner(draft.model, kv, block_manager.block_size)
+        return DraftModelProposer(draft, runner, block_manager, default_generator, spec.proposer)
+    raise ValueError(f"unknown proposer {spec.proposer!r}; choose one of {', '.join(PROPOSERS)}")

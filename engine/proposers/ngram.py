@@ -1,0 +1,147 @@
+"""Prompt lookup decoding: copy what followed the most recent earlier occurrence of the current suffix.
+
+For a sequence with tokens ``t[0:L]`` (prompt + output) the proposer looks for the longest n in
+``max_n .. min_n`` such that the n-gram ``t[L-n:L]`` also ends at some earlier position ``e < L``;
+among those it takes the most recent ``e`` and proposes ``t[e:e+k]`` (shorter when the sequence
+ends first). The continuation may run into the current suffix itself; that is fine.
+
+Cost: each sequence keeps an incremental index ``n-gram -> most recent end position`` that is
+updated only with the tokens appended since the previous call (``max_n - min_n + 1`` dict writes
+per new token), so one lookup is at most ``max_n - min_n + 1`` dict reads whatever the context
+length. The index is keyed by ``seq_id`` and dropped in :meth:`NgramProposer.on_finished`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..sequence import Sequence
+from .base import DraftTokens
+
+# How many trailing tokens of the already-indexed prefix are re-checked on each call when the
+# token list is the same object as last time (a cheap guard against in-place rewrites). A new
+# list object is compared in full.
+_TAIL_CHECK = 8
+
+
+class TokenMirror:
+    """A private copy of a sequence's tokens that follows appends incrementally.
+
+    ``sync(seq)`` returns the index of the first token not seen before, or -1 when the sequence's
+    tokens no longer extend the copy (shrunk or rewritten): the caller must then rebuild.
+    """
+
+    __slots__ = ("ref", "toks")
+
+    def __init__(self) -> None:
+        self.ref: list[int] | None = None
+        self.toks: list[int] = []
+
+    def sync(self, seq: Sequence) -> int:
+        cur = seq.token_ids
+        toks = self.toks
+        n = len(toks)
+        if len(cur) < n:
+            return -1
+        if cur is self.ref:
+            lo = max(0, n - _TAIL_CHECK)
+            if cur[lo:n] != toks[lo:n]:
+                return -1
+        elif cur[:n] != toks:
+            return -1
+        self.ref = cur
+        if len(cur) > n:
+            toks.extend(cur[n:])
+        return n
+
+
+class _NgramState:
+    __slots__ = ("mirror", "index", "indexed_end")
+
+    def __init__(self) -> None:
+        self.mirror = TokenMirror()
+        # (token, ..., token) -> the most recent end position e (exclusive) with t[e-n:e] == key,
+        # for every e <= indexed_end. The current end L is never indexed, so a hit is "earlier".
+        self.index: dict[tuple[int, ...], int] = {}
+        self.indexed_end = 0
+
+
+class NgramProposer:
+    """Prompt lookup decoding (n-gram matching over the request's own prompt and output)."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4, max_natural_k: int = 8):
+        if min_n < 1 or max_n < min_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if max_natural_k < 1:
+            raise ValueError(f"max_natural_k must be >= 1, got {max_natural_k}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self.max_natural_k = max_natural_k
+        self._states: dict[int, _NgramState] = {}
+
+    # ------------------------------------------------------------------ state
+
+    def _state(self, seq: Sequence) -> _NgramState:
+        st = self._states.get(seq.seq_id)
+        if st is None:
+            st = self._states[seq.seq_id] = _NgramState()
+        if st.mirror.sync(seq) < 0:  # tokens were replaced: start over
+            st = self._states[seq.seq_id] = _NgramState()
+            st.mirror.sync(seq)
+        self._index_upto(st, len(st.mirror.toks) - 1)
+        return st
+
+    def _index_upto(self, st: _NgramState, last_end: int) -> None:
+        """Index the n-grams ending at positions indexed_end+1 .. last_end."""
+        toks, index = st.mirror.toks, st.index
+        lo_n, hi_n = self.min_n, self.max_n
+        for e in range(st.indexed_end + 1, last_end + 1):
+            for n in range(lo_n, min(hi_n, e) + 1):
+                index[tuple(toks[e - n:e])] = e
+        if last_end > st.indexed_end:
+            st.indexed_end = last_end
+
+    # --------------------------------------------------------------- protocol
+
+    def match(self, seq: Sequence) -> tuple[int, int]:
+        """(n, e): the longest matched n-gram length and the end of its most recent earlier
+        occurrence, or (0, -1) when nothing matches."""
+        st = self._state(seq)
+        toks, index = st.mirror.toks, st.index
+        L = len(toks)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            e = index.get(tuple(toks[L - n:L]))
+            if e is not None:
+                return n, e
+        return 0, -1
+
+    def propose(self, seqs: list[Sequence], k: list[int]) -> DraftTokens:
+        t0 = time.perf_counter()
+        if len(k) != len(seqs):
+            raise ValueError(f"got {len(seqs)} sequences but {len(k)} k values")
+        out: list[list[int]] = []
+        natural: list[int] = []
+        for seq, ki in zip(seqs, k):
+            if ki <= 0:
+                out.append([])
+                natural.append(0)
+                continue
+            n, e = self.match(seq)
+            if n == 0:
+                out.append([])
+                natural.append(0)
+                continue
+            toks = self._states[seq.seq_id].mirror.toks
+            available = len(toks) - e  # >= 1: e <= L - 1
+            out.append(toks[e:e + ki])
+            natural.append(min(available, self.max_natural_k))
+        return DraftTokens(token_ids=out, natural_k=natural, seconds=time.perf_counter() - t0)
+
+    def on_finished(self, seq: Sequence) -> None:
+        self._states.pop(seq.seq_id, None)
+
+    def num_tracked(self) -> int:
+        """How many sequences currently hold an index (for tests and memory checks)."""
+        return len(self._states)
