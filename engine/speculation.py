@@ -92,9 +92,19 @@ class Speculator:
         return items
 
 
+def _linear_verifiers(device: torch.device):
+    """The Triton kernels on CUDA (same signatures, same results), the torch reference elsewhere."""
+    if device.type == "cuda":
+        from .verify_triton import rejection_sample_triton, verify_greedy_triton
+
+        return verify_greedy_triton, rejection_sample_triton
+    return verify_greedy, rejection_sample
+
+
 def verify(logits: torch.Tensor, items: list[ScheduledSeq], default_generator: torch.Generator) -> list[Verdict]:
     """logits [sum(num_logits), V] (item i's rows consecutive, in order) -> one Verdict per item."""
     device = logits.device
+    greedy_verify, sampled_verify = _linear_verifiers(device)
     starts, row = [], 0
     for w in items:
         starts.append(row)
@@ -138,7 +148,7 @@ def verify(logits: torch.Tensor, items: list[ScheduledSeq], default_generator: t
     sampled = [i for i in linear if not items[i].seq.params.greedy]
     if greedy:
         draft_ids, cu = drafts_of(greedy)
-        res = verify_greedy(draft_ids, cu, logits[rows_of(greedy)].argmax(dim=-1))
+        res = greedy_verify(draft_ids, cu, logits[rows_of(greedy)].argmax(dim=-1))
         for j, (i, toks) in enumerate(zip(greedy, res.token_lists())):
             verdicts[i] = Verdict(toks, len(toks) - 1)
     if sampled:
@@ -151,7 +161,7 @@ def verify(logits: torch.Tensor, items: list[ScheduledSeq], default_generator: t
                      for j, i in enumerate(sampled)]
             q = torch.cat(parts).to(device)  # [num_draft, V]
         uniform, expo = randoms(sampled, [items[i].num_drafts for i in sampled], vocab)
-        res = rejection_sample(draft_ids, cu, q, target_probs(sampled), uniform, expo)
+        res = sampled_verify(draft_ids, cu, q, target_probs(sampled), uniform, expo)
         for i, toks in zip(sampled, res.token_lists()):
             verdicts[i] = Verdict(toks, len(toks) - 1)
     for i in trees:

@@ -61,3 +61,13 @@ def test_default_model_chat_and_stop_string(loaded):
     word = full.text.split()[2]
     cut = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, stop=[word], ignore_eos=True))[0]
     assert cut.finish_reason == "stop" and word not in cut.text and full.text.startswith(cut.text)
+
+
+@pytest.mark.parametrize("proposer,k", [("ngram", 4), ("suffix", 8), ("layer-skip", 2)])
+def test_default_model_speculation_is_lossless(loaded, proposer, k):
+    plain = LLM(loaded=loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(PROMPTS[:4], params)]
+    spec = LLM(loaded=loaded, speculative_config={"proposer": proposer, "k": k, "draft_layers": 8})
+    assert [o.token_ids for o in spec.generate(PROMPTS[:4], params)] == expected
+    assert spec.engine.stats.num_draft_tokens > 0

@@ -1,0 +1,74 @@
+"""The machine's roofline ceilings, measured on the device the engine runs on.
+
+Peak matmul FLOP/s (for the model's dtype) and memory bandwidth, each the median of repeats;
+their ratio is the ridge point, the arithmetic intensity (FLOP per byte) where a step stops
+being limited by memory and starts being limited by compute.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    peak_flops: float  # FLOP/s, dense matmul in the model's dtype
+    bandwidth: float  # bytes/s, streaming read of a buffer far larger than the caches
+    device: str
+    dtype: str
+    threads: int
+
+    @property
+    def ridge(self) -> float:
+        """FLOP per byte where the roofline bends."""
+        return self.peak_flops / self.bandwidth
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn, repeats: int, device: torch.device) -> float:
+    fn()  # warm-up
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       n: int = 1536, repeats: int = 7) -> float:
+    """Square n x n matmul FLOP/s (2 n^3 per product), median of repeats."""
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = _median_seconds(lambda: torch.mm(a, b), repeats, device)
+    return 2 * n**3 / seconds
+
+
+def measure_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 7) -> float:
+    """Read bandwidth: a sum over a buffer much larger than any cache (what a decode step does to
+    its weights), median of repeats."""
+    device = torch.device(device)
+    x = torch.ones(megabytes * 1024**2 // 4, device=device, dtype=torch.float32)
+    seconds = _median_seconds(lambda: x.sum(), repeats, device)
+    return x.numel() * 4 / seconds
+
+
+def measure_ceilings(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                     repeats: int = 7) -> Ceilings:
+    device = torch.device(device)
+    return Ceilings(
+        peak_flops=measure_peak_flops(device, dtype, repeats=repeats),
+        bandwidth=measure_bandwidth(device, repeats=repeats),
+        device=str(device), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
+    )

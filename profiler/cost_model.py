@@ -1,0 +1,114 @@
+"""Analytic cost of one engine step: FLOPs and bytes per layer and component, arithmetic
+intensity, roofline time and bound (in the spirit of LLM-Viewer's roofline analysis).
+
+Counting rules (one forward pass over N query tokens from B sequences, sequence i feeding T_i
+tokens over a context of L_i keys, R rows of logits):
+  * weights are read once per step, whatever N is (that is why decode is memory-bound);
+  * attention reads each sequence's K and V for its L_i keys and writes K, V for its T_i tokens;
+  * activations are read and written once per matrix product;
+  * FLOPs are 2 per multiply-add: a [N, in] x [in, out] product is 2 N in out; attention is
+    4 T_i L_i head_dim per query head (QK^T and PV);
+  * the LM head runs only on the R rows whose logits are needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specplan.engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float = 0.0
+    weight_bytes: float = 0.0
+    kv_bytes: float = 0.0
+    activation_bytes: float = 0.0
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else 0.0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.flops + other.flops, self.weight_bytes + other.weight_bytes,
+                    self.kv_bytes + other.kv_bytes, self.activation_bytes + other.activation_bytes)
+
+    def __mul__(self, times: int) -> "Cost":
+        return Cost(self.flops * times, self.weight_bytes * times, self.kv_bytes * times,
+                    self.activation_bytes * times)
+
+    def roofline_seconds(self, peak_flops: float, bandwidth: float) -> float:
+        return max(self.flops / peak_flops, self.bytes / bandwidth)
+
+    def bound(self, ridge: float) -> str:
+        return "compute" if self.intensity > ridge else "memory"
+
+
+def _matmul(n: int, d_in: int, d_out: int, itemsize: int, bias: bool = False) -> Cost:
+    return Cost(flops=2.0 * n * d_in * d_out,
+                weight_bytes=float(d_in * d_out + (d_out if bias else 0)) * itemsize,
+                activation_bytes=float(n * (d_in + d_out)) * itemsize)
+
+
+def layer_costs(cfg: ModelConfig, query_lens: list[int], context_lens: list[int],
+                itemsize: int = 4) -> dict[str, Cost]:
+    """Cost of one decoder layer by component. context_lens[i]: keys sequence i attends to
+    (including its own new tokens)."""
+    n = sum(query_lens)
+    h, d = cfg.hidden_size, cfg.head_dim
+    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+    attn_flops = sum(4.0 * cfg.num_heads * d * t * l for t, l in zip(query_lens, context_lens))
+    kv_read = sum(2.0 * kv_size * l for l in context_lens) * itemsize
+    kv_write = 2.0 * kv_size * n * itemsize
+    return {
+        "norms": Cost(flops=2 * 4.0 * n * h, weight_bytes=2.0 * h * itemsize,
+                      activation_bytes=2 * 2.0 * n * h * itemsize),
+        "qkv_proj": _matmul(n, h, q_size + 2 * kv_size, itemsize, bias=cfg.qkv_bias),
+        "attention": Cost(flops=attn_flops, kv_bytes=kv_read + kv_write,
+                          activation_bytes=2.0 * n * q_size * itemsize),
+        "o_proj": _matmul(n, q_size, h, itemsize),
+        "gate_up_proj": _matmul(n, h, 2 * cfg.intermediate_size, itemsize),
+        "down_proj": _matmul(n, cfg.intermediate_size, h, itemsize),
+    }
+
+
+def step_costs(cfg: ModelConfig, query_lens: list[int], context_lens: list[int], logits_rows: int | None = None,
+               itemsize: int = 4) -> dict[str, Cost]:
+    """Cost of a whole step by component (all layers summed), plus embedding and LM head."""
+    n = sum(query_lens)
+    rows = len(query_lens) if logits_rows is None else logits_rows
+    costs = {name: c * cfg.num_layers for name, c in layer_costs(cfg, query_lens, context_lens, itemsize).items()}
+    # The embedding lookup reads only N rows of the table; a tied LM head re-reads the whole table.
+    costs["embedding"] = Cost(weight_bytes=float(n * cfg.hidden_size) * itemsize,
+                              activation_bytes=float(n * cfg.hidden_size) * itemsize)
+    costs["lm_head"] = _matmul(rows, cfg.hidden_size, cfg.vocab_size, itemsize) + Cost(
+        flops=4.0 * rows * cfg.hidden_size, weight_bytes=float(cfg.hidden_size) * itemsize)  # + final norm
+    return costs
+
+
+def step_cost(cfg: ModelConfig, query_lens: list[int], context_lens: list[int], logits_rows: int | None = None,
+              itemsize: int = 4) -> Cost:
+    total = Cost()
+    for c in step_costs(cfg, query_lens, context_lens, logits_rows, itemsize).values():
+        total = total + c
+    return total
+
+
+def decode_step_cost(cfg: ModelConfig, batch_size: int, tokens_per_seq: int, context: int,
+                     itemsize: int = 4) -> Cost:
+    """B sequences each verifying T tokens (1 + k) over ``context`` earlier tokens: logits on every row."""
+    return step_cost(cfg, [tokens_per_seq] * batch_size, [context + tokens_per_seq] * batch_size,
+                     logits_rows=batch_size * tokens_per_seq, itemsize=itemsize)
+
+
+def weight_bytes(cfg: ModelConfig, itemsize: int = 4) -> float:
+    """Bytes of all weights read by one step (the memory floor's main term)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+    per_layer = (h * (q_size + 2 * kv_size) + q_size * h + 3 * h * cfg.intermediate_size + 2 * h
+                 + ((q_size + 2 * kv_size) if cfg.qkv_bias else 0))
+    return float(per_layer * cfg.num_layers + cfg.vocab_size * h + h) * itemsize
