@@ -1,0 +1,323 @@
+"""Online acceptance estimation: how many tokens a request will emit if we let it speculate.
+
+Two things decide what k drafts are worth, and both are learned here from ``RequestRecord``s:
+
+* **alpha** – the chance that a draft token at the next position is accepted, given that the
+  proposer produced one there and every earlier draft was accepted. Verification stops at the
+  first rejection, so each observed step contributes ``num_accepted`` successes and, if a draft
+  was rejected, one failure (the positions after it were never judged). With a Beta prior this is
+  the posterior mean of a geometric acceptance process, the alpha of DESIGN.md §5.
+* **proposal length** – n-gram and suffix proposers often find nothing, or fewer tokens than asked.
+  Counting a draft that never exists would overstate speculation, so we also learn
+  ``P(proposal has >= j tokens)`` for each position j, as a product of per-position continuation
+  probabilities (Kaplan–Meier style): a proposal shorter than asked tells us exactly where it
+  stopped; a full one only that it reached k (censored). The proposer's ``natural_k`` extends a
+  full proposal's lower bound (the proposer saw that much continuation), and for the n-gram
+  proposer, whose natural_k is the length available up to a cap, it is an exact length.
+  Trees (suffix) are read as chains of their node count, which undercounts their acceptance a
+  little (a fully accepted branch shorter than the tree counts one rejection): conservative.
+
+Both statistics are kept per request (discounted, so a request that moves from copying its prompt
+to free text is tracked) on top of a pooled prior per (proposer, workload) that learns from every
+observed request, so a new request starts from what its neighbours showed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import mul
+from types import MappingProxyType
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class AcceptanceEstimate:
+    """What the planner believes about one request: alpha and the proposal-length survival."""
+
+    alpha: float  # per-position acceptance, given a draft exists there and the prefix was accepted
+    p_len_ge: tuple[float, ...]  # p_len_ge[j - 1] = P(proposal has >= j tokens), j = 1..max_k; non-increasing
+
+    # gains[j - 1]: expected extra emitted tokens from the j-th draft, P(len >= j) * alpha^j
+    # (non-increasing in j). Derived, computed once: the allocator reads it every step.
+    gains: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        alpha = self.alpha
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        powers = accumulate(repeat(alpha, len(self.p_len_ge)), mul)
+        object.__setattr__(self, "gains", tuple(map(mul, self.p_len_ge, powers)))
+
+    @property
+    def max_k(self) -> int:
+        return len(self.p_len_ge)
+
+    def marginal_gains(self, k: int) -> tuple[float, ...]:
+        """The gains of drafts 1..k."""
+        return self.gains[:max(0, k)]
+
+    def expected_emitted(self, k: int) -> float:
+        """E[tokens emitted] with k drafts asked: 1 + sum_j P(len >= j) * alpha^j."""
+        return 1.0 + sum(self.marginal_gains(k))
+
+    @property
+    def expected_proposal_length(self) -> float:
+        """E[min(proposal length, max_k)]: how many drafts a request asking max_k would really get."""
+        return sum(self.p_len_ge)
+
+
+@dataclass(frozen=True)
+class ProposerPrior:
+    """The starting belief for a proposer before anything was observed (weak: a few pseudo-outcomes),
+    and how to read its ``natural_k``."""
+
+    alpha: float  # prior per-position acceptance
+    p_first: float  # prior P(proposal is non-empty)
+    p_continue: float  # prior P(a proposal of >= j - 1 tokens has a j-th), j >= 2
+    # When natural_k is the length available (n-gram: min(available, cap)), a value below the cap
+    # is an exact length even if we asked for fewer; None: natural_k is only a lower bound (the
+    # suffix proposer's is a preference from the match length, not what it could produce).
+    natural_k_exact_below: int | None = None
+
+
+# Proposers that look drafts up in text (no model forward): often no match, drafting ~free.
+LOOKUP_PROPOSERS = frozenset({"ngram", "suffix"})
+
+# Lookup proposers often find no match; a draft model always proposes k tokens. The n-gram
+# proposer reports natural_k = min(available, max_natural_k), 8 by default in the engine.
+_MODEL_PRIOR = ProposerPrior(alpha=0.6, p_first=1.0, p_continue=1.0)
+DEFAULT_PRIORS: Mapping[str, ProposerPrior] = MappingProxyType({
+    "ngram": ProposerPrior(alpha=0.5, p_first=0.6, p_continue=0.85, natural_k_exact_below=8),
+    "suffix": ProposerPrior(alpha=0.5, p_first=0.6, p_continue=0.85),
+})
+
+
+def default_prior(proposer: str) -> ProposerPrior:
+    """The prior for a proposer name; any name not known as a lookup proposer is a draft model."""
+    return DEFAULT_PRIORS.get(proposer, _MODEL_PRIOR)
+
+
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    max_k: int = 8  # positions tracked (the planner never asks for more)
+    initial_strength: float = 2.0  # pseudo-outcomes behind the proposer prior in a fresh pool
+    request_prior_strength: float = 6.0  # pseudo-outcomes the pool lends each request's posterior
+    request_discount: float = 0.95  # per observed step: a request's own evidence fades over ~20 steps
+    pool_discount: float = 0.998  # per observed request-step: the pool remembers ~500 of them
+
+    def __post_init__(self) -> None:
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        for name in ("request_discount", "pool_discount"):
+            v = getattr(self, name)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {v}")
+        if self.initial_strength <= 0 or self.request_prior_strength <= 0:
+            raise ValueError("prior strengths must be > 0")
+
+
+class OutcomeCounts:
+    """Discounted sufficient statistics of observed proposals (mutable; owned by one estimator).
+
+    ``add`` is O(1): instead of multiplying every count by the discount, later observations are
+    stored with weight 1 / scale and ``scale`` shrinks by the discount each time; reading
+    multiplies back. Proposal lengths are stored as a histogram of what each observation proved
+    (length >= m, and whether it stopped exactly there), turned into per-position counts on read.
+    """
+
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self._scale = 1.0  # stored * scale = discounted count
+        self._accepted = 0.0  # judged draft positions that were accepted
+        self._rejected = 0.0  # judged draft positions that were rejected (at most one per step)
+        self._at_least = [0.0] * (max_k + 1)  # [m]: proposals proven to have >= m tokens (no more known)
+        self._stopped = [0.0] * max_k  # [m]: of those, proposals seen to end after exactly m tokens
+
+    def add(self, k: int, num_proposed: int, num_accepted: int, natural_k: int | None, discount: float,
+            natural_k_exact_below: int | None = None) -> bool:
+        """Fold in one step's outcome; returns False when the step told nothing (k = 0)."""
+        if k <= 0:
+            return False  # the proposer was not asked: nothing about this request was observed
+        if discount < 1.0:
+            self._scale *= discount
+            if self._scale < 1e-100:
+                self._rescale()
+        w = 1.0 / self._scale
+        proposed = max(0, num_proposed)
+        acc = max(0, min(num_accepted, proposed))
+        self._accepted += acc * w
+        if acc < proposed:
+            self._rejected += w
+        # A proposal shorter than asked ends exactly there; so does an n-gram style natural_k below
+        # its cap. Otherwise a full proposal (or the natural length) is only a lower bound.
+        if proposed < k:
+            self._length(proposed, exact=True, w=w)
+        elif natural_k is not None and natural_k_exact_below is not None and proposed <= natural_k < natural_k_exact_below:
+            self._length(natural_k, exact=True, w=w)
+        else:
+            self._length(max(proposed, natural_k or 0), exact=False, w=w)
+        return True
+
+    def _length(self, m: int, exact: bool, w: float) -> None:
+        if m >= self.max_k:
+            self._at_least[self.max_k] += w  # beyond what we track, exact or not
+            return
+        self._at_least[m] += w
+        if exact:
+            self._stopped[m] += w
+
+    def _rescale(self) -> None:
+        s = self._scale
+        self._accepted *= s
+        self._rejected *= s
+        self._at_least = [x * s for x in self._at_least]
+        self._stopped = [x * s for x in self._stopped]
+        self._scale = 1.0
+
+    @property
+    def accepted(self) -> float:
+        return self._accepted * self._scale
+
+    @property
+    def rejected(self) -> float:
+        return self._rejected * self._scale
+
+    def positions(self) -> tuple[list[float], list[float]]:  # for inspection and tests
+        """(reached, at_risk) per position j = 1..max_k: proposals seen to have >= j tokens, and
+        proposals known to have >= j - 1 tokens of which we learned whether a j-th existed."""
+        reached, at_risk = [0.0] * self.max_k, [0.0] * self.max_k
+        s, tail = self._scale, 0.0
+        for j in range(self.max_k, 0, -1):
+            tail += self._at_least[j]  # proven >= j
+            reached[j - 1] = tail * s
+            at_risk[j - 1] = (tail + self._stopped[j - 1]) * s
+        return reached, at_risk
+
+
+@dataclass(frozen=True)
+class _Belief:
+    """Point estimates of one level (pool or request), the prior of the level below."""
+
+    alpha: float
+    p_continue: tuple[float, ...]  # P(len >= j | len >= j - 1), j = 1..max_k
+
+
+def _posterior(prior: _Belief, strength: float, counts: OutcomeCounts) -> AcceptanceEstimate:
+    """Beta-style posterior means (``strength`` pseudo-outcomes at the prior's values plus the
+    counts) of alpha and of each position's continuation probability, turned into the survival
+    P(len >= j) = prod_{i <= j} P(continue at i). Runs for every request every step, hence the
+    C-level itertools."""
+    scale = counts._scale
+    accepted = counts._accepted * scale
+    alpha = (strength * prior.alpha + accepted) / (strength + accepted + counts._rejected * scale)
+    # proven[j - 1]: stored observations proving length >= j (a suffix sum of the histogram).
+    proven = list(accumulate(reversed(counts._at_least[1:])))[::-1]
+    pseudo = strength / scale  # in stored units, so the scale cancels
+    cont = [(pseudo * p + r) / (pseudo + r + x) for p, r, x in zip(prior.p_continue, proven, counts._stopped)]
+    return AcceptanceEstimate(alpha, tuple(accumulate(cont, mul)))
+
+
+def _belief(estimate: AcceptanceEstimate) -> _Belief:
+    """Back from survival to per-position continuation (the pool's belief is the requests' prior)."""
+    cont, prev = [], 1.0
+    for s in estimate.p_len_ge:
+        cont.append(s / prev if prev > 0.0 else 0.0)
+        prev = s
+    return _Belief(estimate.alpha, tuple(cont))
+
+
+class PooledAcceptance:
+    """The prior for new requests of one (proposer, workload): learns from every observed request.
+
+    Proposal-length statistics pool the raw counts (the population's per-position continuation).
+    Alpha does not: a request with alpha 0.95 gets ~20 draft positions judged per step and one with
+    0.1 gets ~1, so pooled counts would weigh the pool toward the easy requests. Instead each
+    observed request-step contributes its request's current alpha estimate, so the pool's alpha is
+    the mean over request-steps, i.e. what to expect of the next request.
+
+    Its belief is published by ``refresh`` (once per engine step) and only when it moved by more
+    than ``tolerance``: every request's posterior is rebuilt when the pool changes, and a warm pool
+    moves slowly, so this keeps the per-step cost of B posteriors off most steps.
+    """
+
+    def __init__(self, prior: ProposerPrior, config: AcceptanceConfig, tolerance: float = 0.002):
+        self.config = config
+        self.tolerance = tolerance
+        self._initial = _Belief(prior.alpha, (prior.p_first,) + (prior.p_continue,) * (config.max_k - 1))
+        self.natural_k_exact_below = prior.natural_k_exact_below
+        self.counts = OutcomeCounts(config.max_k)
+        self._alpha_sum = 0.0  # discounted sum of request alpha estimates
+        self._alpha_weight = 0.0
+        self._publish(_posterior(self._initial, config.initial_strength, self.counts))
+        self.version = 0  # bumps whenever a new belief is published
+        self._dirty = False
+
+    def observe(self, k: int, num_proposed: int, num_accepted: int, natural_k: int | None,
+                request_alpha: float) -> None:
+        """One request-step: its raw outcome (for proposal lengths) and the request's alpha estimate."""
+        d = self.config.pool_discount
+        if self.counts.add(k, num_proposed, num_accepted, natural_k, d, self.natural_k_exact_below):
+            self._alpha_sum = self._alpha_sum * d + request_alpha
+            self._alpha_weight = self._alpha_weight * d + 1.0
+            self._dirty = True
+
+    @property
+    def alpha(self) -> float:
+        s = self.config.initial_strength
+        return (s * self._initial.alpha + self._alpha_sum) / (s + self._alpha_weight)
+
+    def refresh(self) -> None:
+        """Publish the current belief if it moved by more than the tolerance since the last one."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        lengths = _posterior(self._initial, self.config.initial_strength, self.counts)
+        new = AcceptanceEstimate(self.alpha, lengths.p_len_ge)
+        old = self._estimate
+        moved = abs(new.alpha - old.alpha) > self.tolerance or any(
+            abs(a - b) > self.tolerance for a, b in zip(new.p_len_ge, old.p_len_ge))
+        if moved:
+            self._publish(new)
+            self.version += 1
+
+    def _publish(self, estimate: AcceptanceEstimate) -> None:
+        self._estimate = estimate
+        self.belief = _belief(estimate)  # what request posteriors use as their prior
+
+    def estimate(self) -> AcceptanceEstimate:
+        """The pool's published belief: what a request with no evidence of its own is given."""
+        return self._estimate
+
+
+class RequestAcceptance:
+    """One request's posterior: its own discounted evidence on top of its pool's published belief."""
+
+    def __init__(self, pool: PooledAcceptance):
+        self.pool = pool
+        self.counts = OutcomeCounts(pool.config.max_k)
+        self.steps_observed = 0
+        self._cached: AcceptanceEstimate | None = None
+        self._cached_pool_version = -1
+
+    def observe(self, k: int, num_proposed: int, num_accepted: int, natural_k: int | None = None) -> None:
+        """Update this request and its pool with one step's outcome (call ``pool.refresh`` after)."""
+        pool = self.pool
+        if not self.counts.add(k, num_proposed, num_accepted, natural_k, pool.config.request_discount,
+                               pool.natural_k_exact_below):
+            return
+        self.steps_observed += 1
+        self._cached = None
+        pool.observe(k, num_proposed, num_accepted, natural_k, self._alpha())
+
+    def _alpha(self) -> float:
+        """This request's posterior alpha (the cheap part of ``estimate``)."""
+        s, c = self.pool.config.request_prior_strength, self.counts
+        accepted = c.accepted
+        return (s * self.pool.belief.alpha + accepted) / (s + accepted + c.rejected)
+
+    def estimate(self) -> AcceptanceEstimate:
+        if self._cached is None or self._cached_pool_version != self.pool.version:
+            self._cached = _posterior(self.pool.belief, self.pool.config.request_prior_strength, self.counts)
+            self._cached_pool_version = self.pool.version
+        return self._cached

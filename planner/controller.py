@@ -1,0 +1,191 @@
+"""``Planner``: the online controller that implements the engine's ``SpecDecider``.
+
+Each step ``decide`` turns the engine's ``StepView`` into a ``PolicyState`` — per-request
+acceptance estimates, the batch composition (decodes plus prefill chunks already scheduled), the
+drift-corrected latency model, drafting cost and overhead, the SLA — and asks the policy for k per
+request. ``observe`` feeds the step's outcome back: acceptance per request (and into the pooled
+prior for its proposer and workload), measured vs predicted step time (drift), and the time spent
+outside forward + verify (overhead and drafting cost).
+
+The engine never imports this module; the planner reads the engine's view and record objects by
+attribute only, so importing it does not pull in the engine (or torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from ..policies.base import Outcome, Policy, PolicyState, RequestState, Roofline
+from ..policies.registry import make_policy
+from ..profiler.latency_model import LatencyModel, StepShape
+from .acceptance import LOOKUP_PROPOSERS, AcceptanceConfig, PooledAcceptance, ProposerPrior, RequestAcceptance, default_prior
+from .drift import DriftConfig, DriftCorrectedLatency, DriftCorrection
+from .goodput import DraftCost
+from .timing import StepTimingLearner, TimingConfig
+
+if TYPE_CHECKING:  # protocol and data types only; importing the engine package would import torch
+    from ..engine.decider import StepRecord, StepView
+
+
+@dataclass
+class _Tracked:
+    """The planner's memory of one request."""
+
+    acceptance: RequestAcceptance
+    last_outcome: Outcome | None = None
+    last_seen_step: int = 0
+
+
+class Planner:
+    """A SpecDecider that asks a policy for k per request, from learned acceptance and step cost.
+
+    policy: a Policy or a make_policy spec ("goodput", "static:4", ...).
+    latency: the profile's LatencyModel (forward + verify seconds per step shape); required by
+        the goodput policy, optional for rules that ignore cost.
+    sla_itl_s: predicted step time (the ITL of every request in it) must stay under this.
+    proposer: the proposer's name for priors; default: the name the engine reports each step.
+    max_k: the planner's cap on drafts per request (each request's engine cap applies too).
+    workload / workload_of: the workload tag for pooled priors: one tag for every request, or a
+        function of the request id.
+    draft_cost: drafting time per pass / per draft token (~0 for ngram and suffix; a draft
+        model's pass is a fraction of a target step). Refined online when learn_timing is on.
+    roofline: step intensity and ridge point, for the roofline policy.
+    """
+
+    def __init__(self, policy: Policy | str = "goodput", latency: LatencyModel | None = None, *,
+                 sla_itl_s: float | None = None, proposer: str | None = None, max_k: int = 8,
+                 workload: str = "default", workload_of: Callable[[str], str] | None = None,
+                 draft_cost: DraftCost = DraftCost(), roofline: Roofline | None = None,
+                 learn_timing: bool = True, priors: Mapping[str, ProposerPrior] | None = None,
+                 acceptance: AcceptanceConfig | None = None, drift: DriftConfig = DriftConfig(),
+                 timing: TimingConfig = TimingConfig(), forget_after_steps: int = 256):
+        if max_k < 0:
+            raise ValueError(f"max_k must be >= 0, got {max_k}")
+        if sla_itl_s is not None and not sla_itl_s > 0:
+            raise ValueError(f"sla_itl_s must be > 0, got {sla_itl_s}")
+        self.policy: Policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.drift = DriftCorrection(drift)
+        self.latency = DriftCorrectedLatency(latency, self.drift) if latency is not None else None
+        self.roofline = roofline
+        missing = [f for f in self.policy.requires if getattr(self, f, None) is None]
+        if missing:
+            raise ValueError(f"policy {self.policy.name!r} needs {', '.join(sorted(missing))}; "
+                             f"pass {', '.join(sorted(missing))}= to the Planner")
+        self.sla_itl_s = sla_itl_s
+        self.proposer = proposer
+        self.max_k = max_k
+        self.workload = workload
+        self.workload_of = workload_of
+        self.learn_timing = learn_timing
+        self.draft_cost_prior = draft_cost
+        self.timing_config = timing
+        self.timing: StepTimingLearner | None = None  # made once the proposer's name is known
+        if proposer is not None:
+            self._timing_for(proposer)
+        self.priors = priors
+        self.acceptance_config = acceptance or AcceptanceConfig(max_k=max(max_k, 1))
+        if self.acceptance_config.max_k < max_k:
+            raise ValueError(f"acceptance max_k {self.acceptance_config.max_k} < planner max_k {max_k}")
+        self.forget_after_steps = forget_after_steps
+        # Pools per (proposer, workload, greedy): sampled requests accept less than greedy ones.
+        self._pools: dict[tuple[str, str, bool], PooledAcceptance] = {}
+        self._requests: dict[int, _Tracked] = {}
+        self._step = 0
+        self.last_state: PolicyState | None = None
+        self.num_decisions = 0  # request-steps decided
+        self.num_zero_decisions = 0  # of which k = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def zero_share(self) -> float:
+        """Share of request-steps given k = 0 so far (for reports)."""
+        return self.num_zero_decisions / self.num_decisions if self.num_decisions else 0.0
+
+    @property
+    def draft_cost(self) -> DraftCost:
+        return self.timing.draft_cost if self.learn_timing and self.timing is not None else self.draft_cost_prior
+
+    @property
+    def overhead_s(self) -> float:
+        return self.timing.overhead_s if self.learn_timing and self.timing is not None else 0.0
+
+    def _timing_for(self, proposer: str) -> StepTimingLearner:
+        if self.timing is None:
+            self.timing = StepTimingLearner(self.draft_cost_prior, self.timing_config,
+                                            fit_per_pass=proposer not in LOOKUP_PROPOSERS)
+        return self.timing
+
+    def pool(self, proposer: str, workload: str, greedy: bool = True) -> PooledAcceptance:
+        key = (proposer, workload, greedy)
+        p = self._pools.get(key)
+        if p is None:
+            prior = (self.priors or {}).get(proposer) or default_prior(proposer)
+            p = self._pools[key] = PooledAcceptance(prior, self.acceptance_config)
+        return p
+
+    def _tracked(self, seq_id: int, request_id: str, proposer: str, greedy: bool = True) -> _Tracked:
+        t = self._requests.get(seq_id)
+        if t is None:
+            tag = self.workload_of(request_id) if self.workload_of is not None else self.workload
+            t = self._requests[seq_id] = _Tracked(RequestAcceptance(self.pool(proposer, tag, greedy)))
+        return t
+
+    def _forget_stale(self) -> None:
+        # Finished requests simply stop appearing; a preempted one may come back, so wait a while.
+        horizon = self._step - self.forget_after_steps
+        for seq_id in [s for s, t in self._requests.items() if t.last_seen_step < horizon]:
+            del self._requests[seq_id]
+
+    # ------------------------------------------------------------ SpecDecider
+
+    def decide(self, view: StepView) -> list[int]:
+        self._step += 1
+        proposer = self.proposer or view.proposer
+        planner_cap = self.max_k
+        step = self._step
+        reqs = []
+        for rv in view.requests:
+            t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
+            t.last_seen_step = step
+            acc = t.acceptance
+            reqs.append(RequestState(rv.seq_id, rv.request_id, max(0, min(rv.max_k, planner_cap)), rv.num_tokens,
+                                     acc.estimate(), t.last_outcome, acc.steps_observed, rv.greedy))
+        num_decodes = len(reqs)
+        base = StepShape(num_decodes + view.num_prefill_seqs, num_decodes + view.num_prefill_tokens,
+                         view.context_tokens)
+        state = PolicyState(requests=tuple(reqs), base=base, proposer=proposer,
+                            workload=self.workload, max_k=planner_cap, latency=self.latency,
+                            draft_cost=self.draft_cost, overhead_s=self.overhead_s,
+                            sla_itl_s=self.sla_itl_s, roofline=self.roofline)
+        ks = self.policy.choose(state)
+        if len(ks) != num_decodes:
+            raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")
+        ks = [max(0, min(int(k), r.max_k)) for k, r in zip(ks, reqs)]
+        self.last_state = state
+        self.num_decisions += num_decodes
+        self.num_zero_decisions += ks.count(0)
+        if step % 64 == 0:
+            self._forget_stale()
+        return ks
+
+    def observe(self, record: StepRecord) -> None:
+        proposer = self.proposer or (self.last_state.proposer if self.last_state is not None else "unknown")
+        touched = set()
+        total_drafts = deepest = 0
+        for rr in record.requests:
+            t = self._tracked(rr.seq_id, rr.request_id, proposer)
+            t.acceptance.observe(rr.k, rr.num_proposed, rr.num_accepted, rr.natural_k)
+            touched.add(t.acceptance.pool)
+            if rr.k > 0:
+                t.last_outcome = Outcome(rr.k, rr.num_proposed, rr.num_accepted)
+                total_drafts += rr.k
+                deepest = max(deepest, rr.k)
+        for p in touched:
+            p.refresh()
+        if self.latency is not None:
+            self.latency.observe(StepShape(record.num_seqs, record.num_tokens, record.context_tokens),
+                                 record.forward_s + record.verify_s)
+        if self.learn_timing:
+            self._timing_for(proposer).observe(record.total_s - record.forward_s - record.verify_s, total_drafts, deepest)

@@ -1,0 +1,80 @@
+"""The goodput model of DESIGN.md §5: expected emitted tokens over the time a step costs.
+
+A step that gives request i k_i drafts emits ``sum_i E_i(k_i)`` tokens and costs the target's
+forward + verify time (from the profile's latency model, for the whole batch: decodes with their
+drafts and any prefill chunks already scheduled), plus drafting time, plus the engine's fixed
+per-step overhead. Goodput is their ratio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..profiler.latency_model import LatencyModel, StepShape
+from .acceptance import AcceptanceEstimate
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha): accepted prefix plus the bonus/recovered token."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if 1.0 - alpha < 1e-9:  # the closed form is 0/0 at alpha = 1; the sum is exact there
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_tokens_with_shortfall(estimate: AcceptanceEstimate, k: int) -> float:
+    """E with proposals that may be shorter than k: 1 + sum_{j<=k} P(len >= j) * alpha^j."""
+    return estimate.expected_emitted(k)
+
+
+def with_drafts(base: StepShape, total_drafts: int) -> StepShape:
+    """The step's shape when its decodes carry ``total_drafts`` drafts in all: each draft is one
+    more query token, and its K/V is read by the step's attention."""
+    return StepShape(base.num_seqs, base.num_tokens + total_drafts, base.context_tokens + total_drafts)
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """Drafting time of one step: a draft model runs one batched pass per draft position.
+
+    ``per_pass_s`` is paid once per position up to the deepest k in the batch (a draft model's
+    forward, a fraction of a target step); ``per_token_s`` once per draft token (lookup work).
+    An n-gram or suffix proposer is ~0 on both.
+    """
+
+    per_pass_s: float = 0.0
+    per_token_s: float = 0.0
+
+    def seconds(self, total_drafts: int, deepest_k: int) -> float:
+        return self.per_pass_s * deepest_k + self.per_token_s * total_drafts
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Seconds of a step as a function of how many drafts it carries on top of a base step."""
+
+    latency: LatencyModel
+    base: StepShape  # the step with k = 0 for every decode (prefill chunks included)
+    draft_cost: DraftCost = DraftCost()
+    overhead_s: float = 0.0  # scheduling, sampling, bookkeeping: paid whatever k is
+
+    def target_seconds(self, total_drafts: int) -> float:
+        """Forward + verify time predicted by the (drift-corrected) latency model."""
+        return self.latency.predict(with_drafts(self.base, total_drafts))
+
+    def seconds(self, ks: Sequence[int]) -> float:
+        total = sum(ks)
+        return (self.target_seconds(total) + self.draft_cost.seconds(total, max(ks, default=0))
+                + self.overhead_s)
+
+
+def step_goodput(estimates: Sequence[AcceptanceEstimate], ks: Sequence[int], cost: StepCostModel) -> float:
+    """Expected emitted tokens per second of the step that gives request i ks[i] drafts."""
+    if len(estimates) != len(ks):
+        raise ValueError(f"{len(estimates)} estimates but {len(ks)} k values")
+    tokens = sum(e.expected_emitted(k) for e, k in zip(estimates, ks))
+    return tokens / cost.seconds(ks)

@@ -1,0 +1,93 @@
+"""What a step costs besides the target's forward + verify: drafting and fixed engine overhead.
+
+The latency model covers forward + verify. Goodput's denominator is the whole step, so we learn the
+rest from each ``StepRecord``: ``rest = total_s - forward_s - verify_s`` (scheduling, the decider,
+drafting, appending tokens). Model it as
+
+    rest = overhead + per_pass * deepest_k + per_token * total_drafts
+
+and fit the three coefficients by discounted least squares, regularised toward the prior draft
+cost (the profile's), so steps without drafts pin the overhead, and a draft model's per-pass cost
+emerges from steps with different depths. Coefficients are kept >= 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .goodput import DraftCost
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    discount: float = 0.98  # per step: ~50 steps of memory
+    prior_weight: float = 0.05  # how many steps' worth of evidence the prior draft cost counts for
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.discount <= 1.0:
+            raise ValueError(f"discount must be in (0, 1], got {self.discount}")
+        if self.prior_weight <= 0:
+            raise ValueError("prior_weight must be > 0")
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for a 3x3 system (well-conditioned by the ridge)."""
+    m = [row[:] + [v] for row, v in zip(a, b)]
+    for c in range(3):
+        p = max(range(c, 3), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, 3):
+            f = m[r][c] / m[c][c]
+            for j in range(c, 4):
+                m[r][j] -= f * m[c][j]
+    x = [0.0, 0.0, 0.0]
+    for c in (2, 1, 0):
+        x[c] = (m[c][3] - sum(m[c][j] * x[j] for j in range(c + 1, 3))) / m[c][c]
+    return x
+
+
+class StepTimingLearner:
+    """fit_per_pass: learn a per-pass drafting cost (a draft model). For a lookup proposer it stays
+    at the prior: its steps always have a similar depth, so a per-pass term would only soak up
+    part of the fixed overhead and make the allocator think deep drafts cost time."""
+
+    def __init__(self, prior: DraftCost = DraftCost(), config: TimingConfig = TimingConfig(), *,
+                 fit_per_pass: bool = True):
+        self.prior = prior
+        self.config = config
+        self.fit_per_pass = fit_per_pass
+        self._xtx = [[0.0] * 3 for _ in range(3)]
+        self._xty = [0.0] * 3
+        self.steps = 0
+        self.overhead_s = 0.0
+        self.draft_cost = prior
+
+    def observe(self, rest_s: float, total_drafts: int, deepest_k: int) -> None:
+        if not rest_s >= 0.0:  # negative or NaN: clocks disagree; skip
+            return
+        d = self.config.discount
+        x = (1.0, float(deepest_k) if self.fit_per_pass else 0.0, float(total_drafts))
+        for i in range(3):
+            self._xty[i] = self._xty[i] * d + x[i] * rest_s
+            for j in range(3):
+                self._xtx[i][j] = self._xtx[i][j] * d + x[i] * x[j]
+        self.steps += 1
+        self._refit()
+
+    def _refit(self) -> None:
+        # Ridge toward the prior, scaled per feature so the prior weighs like `prior_weight` steps
+        # of typical size (a draft count of 1 and a depth of 1 when nothing larger was seen yet).
+        # The overhead's ridge is far weaker: when the drafts per step hardly vary, overhead and
+        # per-draft cost cannot be told apart, and the time is then read as fixed overhead (the
+        # prior view: drafting costs what the profile says) rather than as a cost of drafting.
+        w = self.config.prior_weight
+        scale = [1e-3] + [max(1.0, self._xtx[i][i] / max(self._xtx[0][0], 1e-12)) for i in (1, 2)]
+        theta0 = (0.0, self.prior.per_pass_s, self.prior.per_token_s)
+        a = [row[:] for row in self._xtx]
+        b = self._xty[:]
+        for i in range(3):
+            a[i][i] += w * scale[i]
+            b[i] += w * scale[i] * theta0[i]
+        overhead, per_pass, per_token = _solve3(a, b)
+        self.overhead_s = max(0.0, overhead)
+        self.draft_cost = DraftCost(per_pass_s=max(0.0, per_pass), per_token_s=max(0.0, per_token))

@@ -1,0 +1,92 @@
+"""The one interface every decision rule implements: ``Policy.choose(state) -> k per request``.
+
+``PolicyState`` is everything a rule may look at for one engine step, assembled by the planner:
+per-request acceptance estimates and last outcomes, the batch composition (decodes plus the
+prefill chunks already scheduled into the step), the drift-corrected latency model, drafting cost
+and fixed overhead, the ITL SLA, and (for the roofline rule) the step's arithmetic intensity.
+Policies are tensor-free; a policy may keep per-request memory of its own (the heuristic does),
+keyed by ``seq_id``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from ..planner.acceptance import AcceptanceEstimate
+from ..planner.goodput import DraftCost, StepCostModel, with_drafts
+from ..profiler.latency_model import LatencyModel, StepShape
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to a request in the last step it was observed in."""
+
+    k: int  # drafts asked (after the engine's caps)
+    num_proposed: int
+    num_accepted: int
+
+
+@dataclass(frozen=True)
+class RequestState:
+    seq_id: int
+    request_id: str
+    max_k: int  # the most drafts worth asking for (engine cap and planner cap)
+    context_tokens: int  # prompt + output so far
+    acceptance: AcceptanceEstimate
+    last_outcome: Outcome | None  # None until the request was observed
+    steps_observed: int  # observed steps in which it speculated (k > 0); changes when last_outcome does
+    greedy: bool = True
+
+
+@runtime_checkable
+class Roofline(Protocol):
+    """Arithmetic intensity of a step and the machine's ridge point, both in FLOP per byte."""
+
+    ridge: float
+
+    def intensity(self, shape: StepShape) -> float:
+        ...
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    requests: tuple[RequestState, ...]  # decode-ready requests, in batch order
+    base: StepShape  # the step with k = 0 everywhere: decodes plus prefill chunks already scheduled
+    proposer: str
+    workload: str
+    max_k: int  # the planner's global cap (each request's own is in RequestState.max_k)
+    latency: LatencyModel | None = None  # drift-corrected forward + verify time
+    draft_cost: DraftCost = DraftCost()
+    overhead_s: float = 0.0  # per-step time outside forward, verify and drafting
+    sla_itl_s: float | None = None  # predicted step time must stay under this
+    roofline: Roofline | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """Decode-ready requests in the step (what batch-size tables are keyed on)."""
+        return len(self.requests)
+
+    def shape_with(self, total_drafts: int) -> StepShape:
+        """The step's shape when it carries ``total_drafts`` drafts in all."""
+        return with_drafts(self.base, total_drafts)
+
+    def cost_model(self) -> StepCostModel:
+        if self.latency is None:
+            raise ValueError("this policy needs a latency model (a profile); none was given to the planner")
+        return StepCostModel(self.latency, self.base, self.draft_cost, self.overhead_s)
+
+    def capped(self, k: int) -> list[int]:
+        """The same k for every request, within each request's cap."""
+        return [max(0, min(k, r.max_k)) for r in self.requests]
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str  # as make_policy spells it, e.g. "static:4"
+    # PolicyState fields that must not be None for this policy (checked when the planner is built).
+    requires: frozenset[str]
+
+    def choose(self, state: PolicyState) -> list[int]:
+        """k per request of ``state.requests`` (0 = no speculation), each within its max_k."""
+        ...

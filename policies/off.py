@@ -1,0 +1,17 @@
+"""``off``: never speculate (plain decoding, the baseline every policy must not fall below)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import PolicyState
+
+
+@dataclass(frozen=True)
+class OffPolicy:
+    name: ClassVar[str] = "off"
+    requires: ClassVar[frozenset[str]] = frozenset()
+
+    def choose(self, state: PolicyState) -> list[int]:
+        return [0] * len(state.requests)

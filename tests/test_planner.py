@@ -1,0 +1,545 @@
+"""The planner's pure-Python core: goodput math, allocation, acceptance, drift, timing, the controller.
+
+Latency models here are synthetic: ``t = a + b * max(0, num_tokens - ridge_tokens) + c * context``,
+flat (memory-bound: extra verify tokens are free), or linear in tokens (compute-bound).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from specplan.engine.decider import RequestRecord, RequestView, SpecDecider, StepRecord, StepView
+from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, DriftCorrection, Planner,
+                              PooledAcceptance, RequestAcceptance, StepCostModel, StepTimingLearner, allocate,
+                              expected_tokens, step_goodput)
+from specplan.planner.acceptance import ProposerPrior, default_prior
+from specplan.profiler.latency_model import StepShape
+
+
+@dataclass(frozen=True)
+class RidgeLatency:
+    a: float
+    b: float = 0.0
+    c: float = 0.0
+    ridge_tokens: int = 0
+
+    def predict(self, shape: StepShape) -> float:
+        return self.a + self.b * max(0, shape.num_tokens - self.ridge_tokens) + self.c * shape.context_tokens
+
+
+@dataclass(frozen=True)
+class TableLatency:
+    """Step time by total query tokens (anything, e.g. non-monotone); last entry beyond the table."""
+
+    seconds: tuple[float, ...]
+
+    def predict(self, shape: StepShape) -> float:
+        return self.seconds[min(shape.num_tokens, len(self.seconds) - 1)]
+
+
+FLAT = RidgeLatency(a=0.03, c=1e-9)  # memory-bound: verify tokens ~free
+COMPUTE_BOUND = RidgeLatency(a=0.0, b=0.001)  # every query token costs the same
+
+
+def est(alpha: float, max_k: int = 8, p_len_ge: tuple[float, ...] | None = None) -> AcceptanceEstimate:
+    return AcceptanceEstimate(alpha, p_len_ge if p_len_ge is not None else (1.0,) * max_k)
+
+
+def cost_for(latency, num_requests: int, *, prefill_tokens: int = 0, context: int = 100,
+             draft: DraftCost = DraftCost(), overhead: float = 0.0) -> StepCostModel:
+    base = StepShape(num_requests + (1 if prefill_tokens else 0), num_requests + prefill_tokens,
+                     context * num_requests)
+    return StepCostModel(latency, base, draft, overhead)
+
+
+def brute_force(estimates, caps, cost, sla=None) -> float:
+    """Best predicted goodput over every allocation (small cases only)."""
+    best = 0.0
+    for ks in itertools.product(*(range(c + 1) for c in caps)):
+        if sla is not None and cost.seconds(ks) > sla:
+            continue
+        best = max(best, step_goodput(estimates, ks, cost))
+    return best
+
+
+# ---------------------------------------------------------------------------- E(alpha, k)
+
+@pytest.mark.parametrize("alpha,k,want", [
+    (0.5, 0, 1.0), (0.5, 1, 1.5), (0.5, 2, 1.75), (0.5, 3, 1.875),
+    (0.8, 3, (1 - 0.8 ** 4) / 0.2),  # 2.952
+    (0.9, 4, 1 + 0.9 + 0.81 + 0.729 + 0.6561),
+    (1.0, 4, 5.0), (1.0, 0, 1.0), (0.0, 5, 1.0), (0.999999999999, 3, 4.0),
+])
+def test_expected_tokens_hand_worked(alpha, k, want):
+    assert expected_tokens(alpha, k) == pytest.approx(want, rel=1e-9)
+
+
+def test_expected_tokens_rejects_bad_input():
+    with pytest.raises(ValueError):
+        expected_tokens(0.5, -1)
+    with pytest.raises(ValueError):
+        expected_tokens(1.5, 2)
+
+
+def test_expected_tokens_with_proposal_shortfall():
+    # Full proposals: the closed form.
+    assert est(0.5).expected_emitted(3) == pytest.approx(expected_tokens(0.5, 3))
+    # Half the proposals are empty, a quarter reach 2 tokens, none reach 3:
+    # 1 + 0.5 * 0.5 + 0.25 * 0.25 + 0 = 1.3125, whatever k beyond 2 is asked.
+    short = est(0.5, p_len_ge=(0.5, 0.25, 0.0, 0.0))
+    assert short.expected_emitted(2) == pytest.approx(1.3125)
+    assert short.expected_emitted(4) == pytest.approx(1.3125)
+    assert short.expected_proposal_length == pytest.approx(0.75)
+    assert short.marginal_gains(3) == pytest.approx((0.25, 0.0625, 0.0))
+
+
+def test_step_goodput_and_draft_cost():
+    cost = cost_for(FLAT, 2, draft=DraftCost(per_pass_s=0.01, per_token_s=0.001), overhead=0.005)
+    ks = (3, 1)
+    seconds = FLAT.predict(StepShape(2, 6, 204)) + 0.01 * 3 + 0.001 * 4 + 0.005
+    assert cost.seconds(ks) == pytest.approx(seconds)
+    want = (expected_tokens(0.8, 3) + expected_tokens(0.5, 1)) / seconds
+    assert step_goodput([est(0.8), est(0.5)], ks, cost) == pytest.approx(want)
+
+
+# ---------------------------------------------------------------------------- allocation
+
+def test_high_alpha_request_gets_tokens_first():
+    # B = 2, t = 1 + b * (drafts); goodput(0) = 2 tokens/s.
+    two = [est(0.9), est(0.2)]
+    # b = 0.4: one draft to the 0.9 request: 2.9 / 1.4 = 2.07 > 2; a second: 3.71 / 1.8 = 2.06 < 2.07.
+    alloc = allocate(two, [8, 8], cost_for(RidgeLatency(a=1.0, b=0.4, ridge_tokens=2), 2, context=0))
+    assert alloc.ks == (1, 0)
+    assert alloc.goodput == pytest.approx(2.9 / 1.4)
+    assert alloc.off_goodput == pytest.approx(2.0)
+    # b = 0.1: all 8 drafts to the 0.9 request (7.126 / 1.8 = 3.959), the 0.2 one's first draft
+    # would lower it (7.326 / 1.9 = 3.856).
+    alloc = allocate(two, [8, 8], cost_for(RidgeLatency(a=1.0, b=0.1, ridge_tokens=2), 2, context=0))
+    assert alloc.ks == (8, 0)
+    assert alloc.goodput == pytest.approx((2 + sum(0.9 ** j for j in range(1, 9))) / 1.8)
+
+
+def test_compute_bound_turns_speculation_off():
+    # Every query token costs the same: a draft adds < 1 expected token for a full token's time.
+    many = [est(a) for a in (0.95, 0.9, 0.8, 0.6, 0.3, 0.99, 0.7, 0.5)]
+    alloc = allocate(many, [8] * 8, cost_for(COMPUTE_BOUND, 8))
+    assert alloc.ks == (0,) * 8
+    # Past the ridge at B = 64 with moderate acceptance: off as well.
+    ridge = RidgeLatency(a=0.03, b=0.001, ridge_tokens=16)
+    assert allocate([est(0.6)] * 64, [8] * 64, cost_for(ridge, 64)).ks == (0,) * 64
+    # The same model at B = 2 is memory-bound: speculation is on.
+    assert sum(allocate([est(0.6)] * 2, [8] * 2, cost_for(ridge, 2)).ks) > 0
+
+
+def test_memory_bound_turns_speculation_on_up_to_what_proposals_can_fill():
+    alloc = allocate([est(0.6), est(0.3)], [8, 5], cost_for(FLAT, 2))
+    assert alloc.ks == (8, 5)  # verify tokens are free: every draft with any chance is worth it
+    # Proposals that never exceed 2 tokens earn no third draft.
+    alloc = allocate([est(0.6, p_len_ge=(0.8, 0.5, 0.0, 0.0))], [4], cost_for(FLAT, 1))
+    assert alloc.ks == (2,)
+    # A proposer that never proposes anything: off (with the policy's margin, see test_policies).
+    alloc = allocate([est(0.9, p_len_ge=(0.0,) * 8)], [8], cost_for(FLAT, 1))
+    assert alloc.ks == (0,)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_allocation_matches_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 3)
+    estimates = []
+    for _ in range(n):
+        surv, s = [], 1.0
+        for _ in range(4):
+            s *= rng.choice([1.0, 0.9, 0.6, 0.3, 0.0])
+            surv.append(s)
+        estimates.append(est(rng.uniform(0.05, 0.98), p_len_ge=tuple(surv)))
+    caps = [rng.randint(0, 4) for _ in range(n)]
+    monotone = rng.random() < 0.7
+    times = sorted(rng.uniform(0.03, 0.2) for _ in range(15))  # a step with more tokens is not faster
+    latency = rng.choice([
+        RidgeLatency(a=0.03, b=rng.uniform(0.0005, 0.01), ridge_tokens=rng.randint(0, 6), c=1e-7),
+        TableLatency(tuple(times) if monotone else tuple(rng.sample(times, len(times)))),
+    ])
+    draft = rng.choice([DraftCost(), DraftCost(per_pass_s=rng.uniform(0.001, 0.02)),
+                        DraftCost(per_pass_s=0.005, per_token_s=0.001)])
+    cost = cost_for(latency, n, context=rng.randint(0, 500), draft=draft, overhead=rng.choice([0.0, 0.004]))
+    sla = rng.choice([None, cost.seconds([0] * n) * rng.uniform(1.0, 2.0)])
+    # Branch and bound is exact for monotone step times; the exhaustive scan for any.
+    alloc = allocate(estimates, caps, cost, sla_itl_s=sla,
+                     assume_monotone=monotone or isinstance(latency, RidgeLatency))
+    assert all(0 <= k <= c for k, c in zip(alloc.ks, caps))
+    assert step_goodput(estimates, alloc.ks, cost) == pytest.approx(alloc.goodput)
+    assert alloc.goodput == pytest.approx(brute_force(estimates, caps, cost, sla), rel=1e-9)
+    if sla is not None:
+        assert cost.seconds(alloc.ks) <= sla
+
+
+def test_best_allocation_seen_across_a_goodput_dip():
+    # Step time jumps at 2 query rows (a slower kernel path, as F.linear does on this CPU) and then
+    # stays flat up to 9: one draft lowers goodput (1.8 / 0.06 = 30 < 33), eight raise it to 72.
+    # Stopping at the first dip would keep k = 0.
+    latency = TableLatency((0.03, 0.03) + (0.06,) * 8 + (0.2,))  # indexed by query tokens = 1 + k
+    alloc = allocate([est(0.8)], [8], cost_for(latency, 1, context=0))
+    assert alloc.ks == (8,)
+    assert alloc.goodput == pytest.approx(expected_tokens(0.8, 8) / 0.06)
+
+
+def test_non_monotone_step_times_are_searched_exhaustively():
+    # A model whose time falls as tokens grow (a noisy measured table): with assume_monotone=False
+    # every total is tried and the dip at k = 4 is found.
+    latency = TableLatency((0.03, 0.03, 0.06, 0.06, 0.06, 0.031, 0.2, 0.2, 0.2))
+    alloc = allocate([est(0.8)], [8], cost_for(latency, 1, context=0), assume_monotone=False)
+    assert alloc.ks == (4,)
+
+
+def test_sla_is_respected():
+    latency = RidgeLatency(a=0.03, b=0.001, ridge_tokens=4)  # 4 decodes ride free, then 1 ms a token
+    cost = cost_for(latency, 4, context=0)
+    free = allocate([est(0.9)] * 4, [8] * 4, cost)
+    assert free.step_s > 0.035  # without an SLA it wants more than 5 drafts
+    capped = allocate([est(0.9)] * 4, [8] * 4, cost, sla_itl_s=0.035)
+    assert capped.total_drafts == 5 and capped.step_s <= 0.035
+    assert capped.ks == (2, 1, 1, 1)  # equal requests: the extra one goes to the first
+    # Even plain decoding breaks it: all zeros, reported as such.
+    hopeless = allocate([est(0.9)] * 4, [8] * 4, cost, sla_itl_s=0.02)
+    assert hopeless.ks == (0, 0, 0, 0) and not hopeless.meets_sla
+
+
+def test_min_relative_gain_keeps_marginal_speculation_off():
+    latency = RidgeLatency(a=1.0, b=0.2, ridge_tokens=1)
+    # One request, alpha 0.25: one draft gives 1.25 / 1.2 = 1.0417 vs 1.0 plain (+4%).
+    assert allocate([est(0.25)], [8], cost_for(latency, 1, context=0)).ks == (1,)
+    assert allocate([est(0.25)], [8], cost_for(latency, 1, context=0), min_relative_gain=0.05).ks == (0,)
+
+
+def test_prefill_tokens_in_the_step_count():
+    ridge = RidgeLatency(a=0.03, b=0.001, ridge_tokens=16)
+    four = [est(0.95)] * 4
+    # Alone, 4 decodes + 32 drafts = 36 query tokens take exactly the SLA's 50 ms.
+    alone = allocate(four, [8] * 4, cost_for(ridge, 4), sla_itl_s=0.05)
+    assert alone.ks == (8, 8, 8, 8) and alone.step_s == pytest.approx(0.05)
+    # A 20-token prefill chunk in the same step leaves room for 12 drafts only.
+    shared = allocate(four, [8] * 4, cost_for(ridge, 4, prefill_tokens=20), sla_itl_s=0.05)
+    assert shared.ks == (3, 3, 3, 3)
+    assert shared.step_s == pytest.approx(ridge.predict(StepShape(5, 4 + 20 + 12, 400 + 20 + 12)))
+    # A 256-token chunk: even plain decoding breaks the SLA.
+    assert not allocate(four, [8] * 4, cost_for(ridge, 4, prefill_tokens=256), sla_itl_s=0.05).meets_sla
+
+
+def test_draft_model_pass_cost_prefers_shallow_wide_drafts():
+    # Target flat; each draft pass costs 10 ms: one pass serves every request at that depth.
+    cost = cost_for(FLAT, 3, draft=DraftCost(per_pass_s=0.01))
+    estimates = [est(0.7), est(0.7), est(0.7)]
+    alloc = allocate(estimates, [5] * 3, cost)
+    assert alloc.goodput == pytest.approx(brute_force(estimates, [5] * 3, cost))
+    assert len(set(alloc.ks)) == 1  # equal requests, a shared pass cost: the same depth for all
+    assert 0 < alloc.ks[0] < 5  # the last passes cost more than they bring
+
+
+# ---------------------------------------------------------------------------- acceptance
+
+def simulate(acc: RequestAcceptance, rng: random.Random, alpha: float, k: int, steps: int,
+             available=lambda rng: 10 ** 6, natural_cap: int | None = None) -> list[float]:
+    seen = []
+    for _ in range(steps):
+        avail = available(rng)
+        proposed = min(k, avail)
+        accepted = 0
+        while accepted < proposed and rng.random() < alpha:
+            accepted += 1
+        natural = min(avail, natural_cap) if natural_cap is not None else None
+        acc.observe(k, proposed, accepted, natural)
+        acc.pool.refresh()
+        seen.append(acc.estimate().alpha)
+    return seen
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.7, 0.9])
+def test_acceptance_converges_to_true_alpha(alpha):
+    rng = random.Random(1)
+    pool = PooledAcceptance(default_prior("ngram"), AcceptanceConfig())
+    seen = simulate(RequestAcceptance(pool), rng, alpha, 4, 3000)
+    assert statistics.fmean(seen[-1000:]) == pytest.approx(alpha, abs=0.04)  # per request (discounted)
+    assert pool.estimate().alpha == pytest.approx(alpha, abs=0.04)  # pooled
+
+
+def test_acceptance_learns_short_and_empty_proposals():
+    # n-gram style: 30% of lookups find nothing, otherwise 1..10 tokens are available (uniform);
+    # we ask for 3, and natural_k = min(available, 8) reveals the rest.
+    rng = random.Random(2)
+    cfg = AcceptanceConfig(pool_discount=1.0)
+    pool = PooledAcceptance(default_prior("ngram"), cfg)
+    req = RequestAcceptance(pool)
+
+    def available(r):
+        return 0 if r.random() < 0.3 else r.randint(1, 10)
+
+    simulate(req, rng, 0.6, 3, 6000, available, natural_cap=8)
+    got = pool.estimate()
+    truth = [0.7 * (11 - j) / 10 for j in range(1, 9)]
+    assert got.p_len_ge == pytest.approx(truth, abs=0.03)
+    assert got.alpha == pytest.approx(0.6, abs=0.03)
+    # The goodput model now counts only drafts that exist.
+    assert got.expected_emitted(8) == pytest.approx(1 + sum(t * 0.6 ** j for j, t in enumerate(truth, 1)), abs=0.03)
+
+
+def test_acceptance_without_natural_k_censors_full_proposals():
+    # A proposer without natural_k, asked for 8: short proposals are exact, full ones censored.
+    rng = random.Random(3)
+    pool = PooledAcceptance(ProposerPrior(alpha=0.5, p_first=1.0, p_continue=1.0), AcceptanceConfig(pool_discount=1.0))
+    req = RequestAcceptance(pool)
+    simulate(req, rng, 0.5, 8, 6000, lambda r: r.randint(0, 5))
+    truth = [(6 - j) / 6 if j <= 5 else 0.0 for j in range(1, 9)]
+    assert pool.estimate().p_len_ge == pytest.approx(truth, abs=0.03)
+
+
+def test_empty_proposals_drive_expected_tokens_to_one_and_k0_steps_teach_nothing():
+    pool = PooledAcceptance(default_prior("ngram"), AcceptanceConfig())
+    req = RequestAcceptance(pool)
+    before = req.estimate()
+    req.observe(0, 0, 0, None)  # not asked: nothing learned
+    pool.refresh()
+    assert req.estimate() == before and req.steps_observed == 0
+    for _ in range(200):
+        req.observe(4, 0, 0, 0)
+        pool.refresh()
+    assert req.estimate().p_len_ge[0] < 0.05
+    assert req.estimate().expected_emitted(8) < 1.05
+    assert req.estimate().alpha == pytest.approx(before.alpha, abs=1e-9)  # no draft was judged
+
+
+def test_new_requests_start_from_the_pool():
+    pool = PooledAcceptance(default_prior("ngram"), AcceptanceConfig())
+    rng = random.Random(4)
+    for _ in range(20):  # twenty earlier requests with alpha 0.9, full proposals
+        simulate(RequestAcceptance(pool), rng, 0.9, 6, 30, natural_cap=8)
+    fresh = RequestAcceptance(pool).estimate()
+    assert fresh.alpha > 0.8 and fresh.p_len_ge[5] > 0.9
+
+
+# ---------------------------------------------------------------------------- drift and timing
+
+def test_drift_converges_on_a_constant_ratio():
+    drift = DriftCorrection()
+    rng = random.Random(5)
+    for _ in range(200):
+        predicted = rng.uniform(0.02, 0.2)
+        drift.update(predicted, 1.3 * predicted * math.exp(rng.gauss(0, 0.05)))
+    assert drift.factor == pytest.approx(1.3, rel=0.03)
+
+
+def test_drift_is_robust_to_outliers_and_bounded():
+    drift = DriftCorrection()
+    for _ in range(100):
+        drift.update(0.05, 0.05 * 1.3)
+    before = drift.log_factor
+    drift.update(0.05, 5.0)  # one 100x step (a GC pause)
+    assert abs(drift.log_factor - before) <= drift.config.max_innovation * drift.config.smoothing + 1e-12
+    for _ in range(500):
+        drift.update(0.05, 50.0)
+    assert drift.factor == pytest.approx(4.0)  # clipped at the configured bound
+    drift.update(float("nan"), 0.05)
+    drift.update(0.05, 0.0)
+    assert drift.factor == pytest.approx(4.0)  # degenerate samples ignored
+
+
+def test_timing_learner_recovers_overhead_and_draft_cost():
+    learner = StepTimingLearner(DraftCost(), fit_per_pass=True)
+    rng = random.Random(6)
+    for _ in range(400):
+        deepest = rng.randint(0, 8)
+        total = deepest * rng.randint(1, 16) if deepest else 0
+        learner.observe(0.002 + 0.01 * deepest + 0.0001 * total, total, deepest)
+    assert learner.overhead_s == pytest.approx(0.002, abs=2e-4)
+    assert learner.draft_cost.per_pass_s == pytest.approx(0.01, rel=0.05)
+    assert learner.draft_cost.per_token_s == pytest.approx(0.0001, rel=0.2)
+    # A lookup proposer's per-pass cost stays at its prior: overhead is not mistaken for drafting.
+    lookup = StepTimingLearner(DraftCost(), fit_per_pass=False)
+    for _ in range(100):
+        lookup.observe(0.003, 64 * 8, 8)
+    assert lookup.draft_cost.per_pass_s == 0.0
+
+
+# ---------------------------------------------------------------------------- the controller
+
+def view(n: int, *, max_k: int = 8, prefill_tokens: int = 0, context: int = 500, proposer: str = "ngram") -> StepView:
+    return StepView(tuple(RequestView(i, f"r{i}", context, 10, max_k, True) for i in range(n)),
+                    num_prefill_tokens=prefill_tokens, num_prefill_seqs=1 if prefill_tokens else 0,
+                    context_tokens=context * n + prefill_tokens, proposer=proposer)
+
+
+def record(ks, alphas, rng, *, forward_s=0.03, num_prefill=0, natural=8, total_s=None, ids=None) -> StepRecord:
+    reqs = []
+    for i, (k, a) in enumerate(zip(ks, alphas)):
+        acc = 0
+        while acc < k and rng.random() < a:
+            acc += 1
+        rid = ids[i] if ids is not None else f"r{i}"
+        reqs.append(RequestRecord(i, rid, k, k, acc, acc + 1, natural_k=natural if k else 0))
+    n = len(ks)
+    return StepRecord(tuple(reqs), n, n + sum(ks) + num_prefill, num_prefill, 500 * n + sum(ks), 0.001,
+                      forward_s, 0.001, total_s if total_s is not None else forward_s + 0.003)
+
+
+def test_planner_is_a_spec_decider_and_needs_a_latency_model_for_goodput():
+    assert isinstance(Planner("goodput", FLAT), SpecDecider)
+    with pytest.raises(ValueError, match="latency"):
+        Planner("goodput")
+    with pytest.raises(ValueError, match="roofline"):
+        Planner("roofline", FLAT)
+    with pytest.raises(ValueError, match="unknown policy"):
+        Planner("fastest", FLAT)
+    assert Planner("static:3").decide(view(2)) == [3, 3]
+
+
+def test_planner_on_when_memory_bound_off_when_compute_bound():
+    rng = random.Random(7)
+    mem = Planner("goodput", FLAT)
+    for _ in range(20):
+        ks = mem.decide(view(4))
+        mem.observe(record(ks, [0.8] * 4, rng))
+    assert mem.decide(view(4)) == [8] * 4
+    busy = Planner("goodput", COMPUTE_BOUND)
+    for _ in range(20):
+        ks = busy.decide(view(32))
+        busy.observe(record(ks, [0.8] * 32, rng, forward_s=0.032))
+        assert ks == [0] * 32
+    assert busy.zero_share == 1.0
+
+
+def test_planner_respects_caps_and_sla():
+    planner = Planner("goodput", RidgeLatency(a=0.03, b=0.001, ridge_tokens=4), sla_itl_s=0.035, max_k=6)
+    ks = planner.decide(view(4, max_k=3))
+    assert all(k <= 3 for k in ks)
+    assert planner.latency.predict(planner.last_state.shape_with(sum(ks))) <= 0.035
+    assert Planner("static:8", max_k=6).decide(view(2, max_k=8)) == [6, 6]
+
+
+def test_planner_closes_the_loop_on_step_time():
+    # The profile is 1.3x optimistic; after a few steps the planner's predictions match.
+    latency = RidgeLatency(a=0.03, b=0.0005, ridge_tokens=8)
+    planner = Planner("goodput", latency)
+    rng = random.Random(8)
+    for _ in range(60):
+        ks = planner.decide(view(8))
+        shape = StepShape(8, 8 + sum(ks), 500 * 8 + sum(ks))
+        planner.observe(record(ks, [0.7] * 8, rng, forward_s=1.3 * latency.predict(shape) - 0.001))
+    assert planner.drift.factor == pytest.approx(1.3, rel=0.01)
+    assert planner.overhead_s == pytest.approx(0.002, abs=5e-4)  # total - forward - verify
+
+
+def test_planner_learns_per_request_acceptance():
+    # Request 0 copies its prompt (alpha 0.95), request 1 is free chat (0.1): past the ridge only
+    # the first earns drafts.
+    latency = RidgeLatency(a=0.03, b=0.004, ridge_tokens=2)
+    planner = Planner("goodput", latency)
+    rng = random.Random(9)
+    for _ in range(60):
+        ks = planner.decide(view(2))
+        planner.observe(record(ks or [0, 0], [0.95, 0.1], rng))
+    ks = planner.decide(view(2))
+    assert ks[0] >= 3 and ks[1] == 0
+    alphas = [r.acceptance.alpha for r in planner.last_state.requests]
+    assert alphas[0] > 0.85 and alphas[1] < alphas[0] - 0.3
+
+
+def test_planner_pools_priors_per_workload():
+    planner = Planner("static:4", workload_of=lambda request_id: request_id.split("-")[0])
+    rng = random.Random(11)
+
+    def tagged(ids):
+        return StepView(tuple(RequestView(i, rid, 100, 5, 8, True) for i, rid in enumerate(ids)), 0, 0, 100 * len(ids),
+                        "ngram")
+
+    ids = ["code-0", "chat-1"]
+    for _ in range(40):
+        planner.observe(record(planner.decide(tagged(ids)), [0.95, 0.1], rng, ids=ids))
+    # New requests start from their own workload's pool.
+    planner.decide(tagged(["code-0", "chat-1", "code-2", "chat-3"]))
+    fresh = {r.request_id: r.acceptance.alpha for r in planner.last_state.requests[2:]}
+    assert fresh["code-2"] > 0.8 and fresh["chat-3"] < 0.35
+
+
+def test_planner_feeds_the_heuristic_its_last_outcomes():
+    planner = Planner("heuristic:2")
+    v = view(2)
+    assert planner.decide(v) == [2, 2]
+    planner.observe(StepRecord((RequestRecord(0, "r0", 2, 2, 2, 3), RequestRecord(1, "r1", 2, 2, 0, 1)),
+                               2, 6, 0, 1006, 0.001, 0.03, 0.001, 0.033))
+    assert planner.decide(v) == [4, 1]
+
+
+def test_planner_forgets_finished_requests():
+    planner = Planner("static:2", forget_after_steps=10)
+    planner.decide(view(8))
+    for _ in range(130):
+        planner.decide(view(1))
+    assert len(planner._requests) == 1
+
+
+def test_planner_does_not_import_torch():
+    import subprocess
+    code = ("import sys; from specplan.planner import Planner; from specplan.policies import make_policy; "
+            "Planner('heuristic').decide; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_decide_overhead_at_b64():
+    """decide() at B = 64, max_k = 8, in the costly case: memory-bound (every draft is worth
+    considering) and every request's estimate refreshed by an observe between calls."""
+    rng = random.Random(10)
+    alphas = [rng.uniform(0.4, 0.95) for _ in range(64)]
+    planner = Planner("goodput", RidgeLatency(a=0.03, b=2e-5, c=1e-9), max_k=8)
+    v = view(64)
+    for _ in range(30):
+        planner.observe(record(planner.decide(v), alphas, rng))
+    medians = []  # best of three medians: robust to a burst of load from other processes
+    for _ in range(3):
+        decide_s, observe_s = [], []
+        for _ in range(100):
+            t0 = time.perf_counter()
+            ks = planner.decide(v)
+            t1 = time.perf_counter()
+            planner.observe(record(ks, alphas, rng))
+            observe_s.append(time.perf_counter() - t1)
+            decide_s.append(t1 - t0)
+        medians.append((statistics.median(decide_s), statistics.median(observe_s)))
+    med, med_observe = min(medians)
+    print(f"\ndecide() at B=64, max_k=8: median {med * 1e3:.3f} ms (observe {med_observe * 1e3:.3f} ms), "
+          f"{sum(ks)} drafts allocated")
+    assert sum(ks) > 64  # the costly case really was exercised
+    assert med < 2e-3  # target 1 ms; loose on a shared 2-core machine
+
+
+# ---------------------------------------------------------------------------- in the engine
+
+def test_planner_steers_the_engine_losslessly():
+    """The planner as the engine's decider (tiny random model): same tokens as plain decoding,
+    and it learned from what the engine reported. (The one test here that runs torch: it checks
+    the planner against the engine's real StepView / StepRecord.)"""
+    from conftest import tiny_hf_model, tiny_llm
+    from specplan.engine import SamplingParams
+
+    model = tiny_hf_model("llama", num_hidden_layers=2)
+    rng = random.Random(3)
+    prompts = []
+    for _ in range(5):
+        motif = [rng.randrange(96) for _ in range(rng.randint(3, 8))]
+        prompts.append([rng.randrange(96) for _ in range(5)] + motif * 3)
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    expected = [o.token_ids for o in tiny_llm(model).generate(prompts, params)]
+    planner = Planner("goodput", FLAT)
+    llm = tiny_llm(model, speculative_config={"proposer": "ngram", "k": 4, "max_k": 8}, decider=planner)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert planner.num_decisions > 0 and planner.zero_share < 1.0
+    assert llm.engine.stats.num_draft_tokens > 0
+    assert planner.drift.samples > 0 and planner.timing is not None and planner.timing.steps > 0
