@@ -17,17 +17,7 @@ import torch.nn.functional as F
 from .attention import AttentionPlan, paged_attention, write_kv
 from .batch import TokenBatch
 from .config import ModelConfig
-
-
-class Linear:
-    """y = x W^T (+ b), W in nn.Linear's [out, in] layout."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight  # [out, in]
-        self.bias = bias  # [out] or None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+from .linear import Linear, make_linear, mkl_packing_available
 
 
 @dataclass
@@ -56,11 +46,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Model:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, packed_linears: bool | None = None):
+        """``packed_linears``: MKL-packed weights (default: wherever available, i.e. CPU fp32)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         c = config
+        if packed_linears is None:
+            packed_linears = mkl_packing_available(self.device, dtype)
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return make_linear(weight, bias, packed_linears)
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -73,7 +69,7 @@ class Model:
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.final_norm = w("model.norm.weight")  # [hidden]
         lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
-        self.lm_head = Linear(lm_head)  # [V, hidden]
+        self.lm_head = linear(lm_head)  # [V, hidden]
         self.layers: list[DecoderLayer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -83,11 +79,11 @@ class Model:
                 qkv_b = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             self.layers.append(DecoderLayer(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=Linear(qkv_w.contiguous(), qkv_b),
-                o=Linear(w(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias")),
+                qkv=linear(qkv_w, qkv_b),
+                o=linear(w(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous()),
-                down=Linear(w(p + "mlp.down_proj.weight")),
+                gate_up=linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                down=linear(w(p + "mlp.down_proj.weight")),
             ))
         # RoPE tables for every position the model can see: [max_pos, 1, D] (computed in fp32, as HF).
         inv_freq = torch.tensor(c.rope_inv_freq, dtype=torch.float32)
