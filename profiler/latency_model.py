@@ -23,5 +23,6 @@ class StepShape:
 @runtime_checkable
 class LatencyModel(Protocol):
     def predict(self, shape: StepShape) -> float:
-        """Predicted wall time of one engine step (forward pass + verification), in seconds."""
+        """Predicted time of one engine step's forward pass plus verification (StepRecord.forward_s +
+        verify_s), in seconds; scheduling and proposing are priced separately by the planner."""
         ...

@@ -1,0 +1,86 @@
+"""The fitted latency model: step time from (sequences, query tokens, KV tokens).
+
+Form (a convex piecewise-linear roofline in the token count, plus linear terms):
+
+    t(B, N, C) = a + sum_k w_k * max(0, N - n_k) + c * C + d * B,    all of w, c, d >= 0
+
+The hinge terms let the curve stay flat while the step is memory-bound (extra verify tokens
+are nearly free) and bend upward where it turns compute-bound, without assuming where; C (KV
+tokens read) prices attention and d per-sequence overhead. Fitted by non-negative least squares
+on relative error (each row divided by its measured time), so fast and slow cells count alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import nnls
+
+from .latency_model import StepShape
+
+DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class HingeLatencyModel:
+    intercept: float  # seconds
+    knots: tuple[float, ...]  # token counts where the slope may change
+    slopes: tuple[float, ...]  # seconds per token added past each knot
+    per_context_token: float  # seconds per KV token read
+    per_seq: float  # seconds per sequence
+
+    def predict(self, shape: StepShape) -> float:
+        n = shape.num_tokens
+        t = self.intercept + self.per_context_token * shape.context_tokens + self.per_seq * shape.num_seqs
+        for knot, slope in zip(self.knots, self.slopes):
+            if n > knot:
+                t += slope * (n - knot)
+        return t
+
+    def to_dict(self) -> dict:
+        return {"form": "hinge", "intercept": self.intercept, "knots": list(self.knots), "slopes": list(self.slopes),
+                "per_context_token": self.per_context_token, "per_seq": self.per_seq}
+
+    @staticmethod
+    def from_dict(d: dict) -> "HingeLatencyModel":
+        return HingeLatencyModel(float(d["intercept"]), tuple(float(k) for k in d["knots"]),
+                                 tuple(float(s) for s in d["slopes"]), float(d["per_context_token"]), float(d["per_seq"]))
+
+
+def _features(shapes: list[StepShape], knots: tuple[float, ...]) -> np.ndarray:
+    rows = []
+    for s in shapes:
+        rows.append([1.0] + [max(0.0, s.num_tokens - k) for k in knots] + [float(s.context_tokens), float(s.num_seqs)])
+    return np.asarray(rows)  # [cells, 1 + knots + 2]
+
+
+def fit_latency_model(shapes: list[StepShape], seconds: list[float], knots: tuple[float, ...] = DEFAULT_KNOTS
+                      ) -> HingeLatencyModel:
+    if len(shapes) != len(seconds) or not shapes:
+        raise ValueError("need one measured time per shape, and at least one")
+    max_tokens = max(s.num_tokens for s in shapes)
+    knots = tuple(k for k in knots if k < max_tokens) or (knots[0],)
+    x = _features(shapes, knots)
+    y = np.asarray(seconds, dtype=float)
+    weight = 1.0 / y  # relative error
+    coef, _ = nnls(x * weight[:, None], y * weight)
+    return HingeLatencyModel(float(coef[0]), knots, tuple(float(c) for c in coef[1:1 + len(knots)]),
+                             float(coef[-2]), float(coef[-1]))
+
+
+def mape(predicted: list[float] | np.ndarray, measured: list[float] | np.ndarray) -> float:
+    """Mean absolute percentage error, in percent."""
+    p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
+    return float(np.mean(np.abs(p - m) / m) * 100.0)
+
+
+def heldout_error(shapes: list[StepShape], seconds: list[float], every: int = 4, knots=DEFAULT_KNOTS
+                  ) -> tuple[float, list[int]]:
+    """MAPE on cells held out of the fit (every ``every``-th cell, offset so that the smallest and
+    largest shapes stay in the training set); returns the error and the held-out indices."""
+    order = sorted(range(len(shapes)), key=lambda i: (shapes[i].num_tokens, shapes[i].context_tokens))
+    held = [i for j, i in enumerate(order) if j % every == every // 2 and 0 < j < len(order) - 1]
+    train = [i for i in range(len(shapes)) if i not in set(held)]
+    model = fit_latency_model([shapes[i] for i in train], [seconds[i] for i in train], knots)
+    return mape([model.predict(shapes[i]) for i in held], [seconds[i] for i in held]), held

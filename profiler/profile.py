@@ -1,0 +1,139 @@
+"""The Profile: what `specplan profile` measured, as JSON the planner loads.
+
+It carries a fingerprint of what was measured (model, dtype, device, threads, torch version),
+the machine's ceilings, the model's cost constants, the fitted latency model with its error on
+held-out cells and the pure roofline's error, and the measured drafting cost per proposer.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ValidationError
+
+from .fit import HingeLatencyModel
+from .latency_model import StepShape
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message is one line with the fix."""
+
+
+class Fingerprint(BaseModel):
+    model: str
+    model_config_hash: str
+    dtype: str
+    device: str
+    threads: int
+    torch_version: str
+    cpu: str
+
+    def mismatches(self, other: "Fingerprint") -> list[str]:
+        """Fields that differ in a way that makes timings invalid (torch version/CPU: warn only)."""
+        return [f for f in ("model", "model_config_hash", "dtype", "device", "threads")
+                if getattr(self, f) != getattr(other, f)]
+
+
+class CeilingsModel(BaseModel):
+    peak_flops: float
+    bandwidth: float
+    ridge: float
+
+
+class CostConstants(BaseModel):
+    weight_bytes: float  # read once per step
+    flops_per_token: float  # matmul FLOPs per query token (all layers, no attention, no LM head)
+    lm_head_flops_per_row: float
+    kv_bytes_per_token: float  # K+V, all layers, per cached token
+    attention_flops_per_token_pair: float  # per (query token, key) pair, all layers
+
+
+class FitError(BaseModel):
+    heldout_mape: float  # % on cells held out of the fit
+    train_mape: float
+    roofline_mape: float  # % of the pure roofline prediction on all cells
+    num_cells: int
+    num_heldout: int
+
+
+class DraftCost(BaseModel):
+    per_step: float  # seconds per proposing step (a model draft: per forward round)
+    per_token: float  # seconds per draft token (per sequence)
+
+
+class Profile(BaseModel):
+    version: int = 1
+    fingerprint: Fingerprint
+    ceilings: CeilingsModel
+    cost: CostConstants
+    latency_model: dict
+    fit: FitError
+    draft_costs: dict[str, DraftCost] = {}
+    max_batch: int
+    max_tokens_per_seq: int
+    grid_file: str | None = None  # raw grid (parquet), relative to the profile
+
+    def model(self) -> HingeLatencyModel:
+        return HingeLatencyModel.from_dict(self.latency_model)
+
+    def predict(self, shape: StepShape) -> float:
+        return self.model().predict(shape)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=1))
+        tmp.replace(path)  # atomic: a crash never leaves half a profile
+
+    @staticmethod
+    def load(path: Path | str) -> "Profile":
+        path = Path(path)
+        remedy = "make a fresh one with `specplan profile --quick`"
+        if not path.exists():
+            raise ProfileError(f"profile {path} does not exist; {remedy}")
+        try:
+            return Profile.model_validate_json(path.read_text())
+        except (ValidationError, json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ProfileError(f"profile {path} is corrupted or truncated ({first}); {remedy}") from None
+
+
+def fingerprint(model_config, dtype: torch.dtype, device: str) -> Fingerprint:
+    import hashlib
+
+    from dataclasses import asdict
+
+    cfg = asdict(model_config)
+    cfg.pop("name", None)
+    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Fingerprint(model=model_config.name, model_config_hash=digest, dtype=str(dtype).removeprefix("torch."),
+                       device=str(device), threads=torch.get_num_threads(), torch_version=torch.__version__,
+                       cpu=_cpu_name())
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def check_matches(profile: Profile, current: Fingerprint, path: Path | str) -> list[str]:
+    """Raise ProfileError if the profile was measured for another model/device; return warnings."""
+    bad = profile.fingerprint.mismatches(current)
+    if bad:
+        detail = ", ".join(f"{f}: profile {getattr(profile.fingerprint, f)!r} vs now {getattr(current, f)!r}" for f in bad)
+        raise ProfileError(f"profile {path} does not match what is being served ({detail}); "
+                           f"make a fresh one with `specplan profile --quick`")
+    warnings = []
+    for f in ("torch_version", "cpu"):
+        if getattr(profile.fingerprint, f) != getattr(current, f):
+            warnings.append(f"profile {path} was measured with {f} {getattr(profile.fingerprint, f)!r}, "
+                            f"now {getattr(current, f)!r}: timings may be off (the planner corrects drift online)")
+    return warnings

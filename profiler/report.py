@@ -1,0 +1,116 @@
+"""The profile report: roofline plot, ITL curves per batch size, per-layer intensity table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from specplan.engine.loader import LoadedModel
+
+from .cost_model import decode_step_cost, layer_costs
+from .latency_model import StepShape
+from .profile import Profile
+
+
+def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int) -> int | None:
+    """Smallest tokens-per-step (B*T, T=1) whose analytic intensity passes the ridge."""
+    for tokens in range(1, 4097):
+        if decode_step_cost(loaded.config, tokens, 1, context).intensity > profile.ceilings.ridge:
+            return tokens
+    return None
+
+
+def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedModel, path: Path, command: str,
+                          seconds: float, quick: bool) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    c = profile.ceilings
+    cfg = loaded.config
+    g = grid.copy()
+    costs = [decode_step_cost(cfg, int(r.batch_size), int(r.tokens_per_seq), int(r.context)) for r in g.itertuples()]
+    g["intensity"] = [x.intensity for x in costs]
+    g["gflops"] = [x.flops / s / 1e9 for x, s in zip(costs, g["seconds"])]
+    g["floor_ms"] = [1e3 * x.roofline_seconds(c.peak_flops, c.bandwidth) for x in costs]
+    g["ms"] = 1e3 * g["seconds"]
+    g["predicted_ms"] = [1e3 * profile.predict(StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)))
+                         for r in g.itertuples()]
+    stem = path.with_suffix("")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = np.logspace(np.log10(max(g["intensity"].min() / 2, 0.05)), np.log10(g["intensity"].max() * 2), 200)
+    ax.plot(xs, np.minimum(c.peak_flops, c.bandwidth * xs) / 1e9, "k-", lw=2, label="roofline (measured ceilings)")
+    ax.axvline(c.ridge, color="gray", ls=":", label=f"ridge {c.ridge:.1f} FLOP/B")
+    sc = ax.scatter(g["intensity"], g["gflops"], c=g["tokens_per_seq"], cmap="viridis", s=18 + 2 * g["batch_size"])
+    fig.colorbar(sc, ax=ax, label="T (tokens per sequence)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("achieved GFLOP/s")
+    ax.set_title(f"{loaded.name}: measured steps on the roofline (size = B)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{stem}-roofline.png", dpi=120)
+    plt.close(fig)
+
+    ctx0 = int(g["context"].min())
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for b, gb in g[g.context == ctx0].groupby("batch_size"):
+        gb = gb.sort_values("tokens_per_seq")
+        line, = ax.plot(gb["tokens_per_seq"], gb["ms"], "o-", label=f"B={b}")
+        ax.plot(gb["tokens_per_seq"], gb["predicted_ms"], "--", color=line.get_color(), alpha=0.6)
+        ax.plot(gb["tokens_per_seq"], gb["floor_ms"], ":", color=line.get_color(), alpha=0.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("T = 1 + k (tokens verified per sequence)")
+    ax.set_ylabel("step time = ITL (ms)")
+    ax.set_title(f"ITL per batch size, context {ctx0} (solid measured, dashed fit, dotted floor)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(f"{stem}-itl.png", dpi=120)
+    plt.close(fig)
+
+    crossing = _ridge_crossing(profile, loaded, ctx0)
+    f = profile.fit
+    lines = [
+        f"# Profile: {loaded.name} on {profile.fingerprint.device} ({profile.fingerprint.cpu})", "",
+        f"Made by `{command}` in {seconds:.0f} s ({'quick' if quick else 'full'} grid, {f.num_cells} cells; "
+        f"{profile.fingerprint.threads} threads, torch {profile.fingerprint.torch_version}, {profile.fingerprint.dtype}).",
+        "", "## Ceilings", "",
+        f"- peak matmul: {c.peak_flops / 1e9:.0f} GFLOP/s; read bandwidth: {c.bandwidth / 1e9:.1f} GB/s; "
+        f"ridge: {c.ridge:.1f} FLOP/byte",
+        f"- one step reads {profile.cost.weight_bytes / 1e6:.0f} MB of weights: floor {1e3 * profile.cost.weight_bytes / c.bandwidth:.1f} ms",
+        f"- the analytic intensity of a decode step (T=1, context {ctx0}) passes the ridge at "
+        f"B·T = {crossing} tokens per step" if crossing else "- the ridge is not reached below 4096 tokens per step",
+        "", "## Latency model", "",
+        f"Fitted form: convex piecewise-linear in tokens per step + KV tokens + sequences (profiler/fit.py). "
+        f"Error on {f.num_heldout} held-out cells: **{f.heldout_mape:.1f}%** MAPE (train {f.train_mape:.1f}%); "
+        f"the pure roofline prediction: {f.roofline_mape:.1f}%.",
+        "", "Drafting cost per proposer:", "",
+        "| proposer | per step (ms) | per token or sequence (ms) |", "|---|---|---|",
+    ]
+    for name, d in profile.draft_costs.items():
+        lines.append(f"| {name} | {1e3 * d.per_step:.3f} | {1e3 * d.per_token:.4f} |")
+    lines += ["", "## Measured steps on the roofline", "", f"![roofline]({stem.name}-roofline.png)", "",
+              f"![ITL]({stem.name}-itl.png)", "",
+              "## Distance from the floor", "",
+              "| B | T | context | measured (ms) | fit (ms) | floor (ms) | measured / floor | intensity | bound |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in g.sort_values(["context", "batch_size", "tokens_per_seq"]).itertuples():
+        bound = "compute" if r.intensity > c.ridge else "memory"
+        lines.append(f"| {r.batch_size} | {r.tokens_per_seq} | {r.context} | {r.ms:.1f} | {r.predicted_ms:.1f} | "
+                     f"{r.floor_ms:.1f} | {r.ms / r.floor_ms:.2f} | {r.intensity:.1f} | {bound} |")
+    lines += ["", "## Per-layer intensity (one decoder layer, context 256)", "",
+              "| shape | component | MFLOP | weight MB | KV MB | act. MB | FLOP/byte | bound |",
+              "|---|---|---|---|---|---|---|---|"]
+    for b, t in ((1, 1), (1, 9), (32, 1), (32, 9)):
+        for name, x in layer_costs(cfg, [t] * b, [256 + t] * b).items():
+            lines.append(f"| B={b}, T={t} | {name} | {x.flops / 1e6:.1f} | {x.weight_bytes / 1e6:.2f} | "
+                         f"{x.kv_bytes / 1e6:.2f} | {x.activation_bytes / 1e6:.2f} | {x.intensity:.1f} | "
+                         f"{x.bound(c.ridge)} |")
+    path.write_text("\n".join(lines) + "\n")
+    return path

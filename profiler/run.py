@@ -1,0 +1,187 @@
+"""`specplan profile`: measure this machine and model, fit the latency model, write the profile.
+
+Steps: (1) the roofline ceilings; (2) a grid of real engine steps over batch size B, tokens per
+sequence T = 1 + k and context length, median of repeats after warm-up; (3) drafting cost per
+proposer; (4) the fit, with its error on held-out cells next to the pure roofline's error;
+(5) the Profile JSON, the raw grid as parquet and a Markdown report with plots.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from rich.progress import Progress
+
+from specplan.engine.loader import LoadedModel, load_model
+from specplan.engine.model_runner import ModelRunner, ScheduledSeq
+
+from .ceilings import Ceilings, measure_ceilings
+from .cost_model import decode_step_cost, layer_costs, step_costs, weight_bytes
+from .engine_bench import timing_engine
+from .fit import fit_latency_model, heldout_error, mape
+from .latency_model import StepShape
+from .profile import (CeilingsModel, CostConstants, DraftCost, FitError, Profile, fingerprint)
+from .step_timer import StepTimer
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    batch_sizes: tuple[int, ...]
+    tokens_per_seq: tuple[int, ...]
+    contexts: tuple[int, ...]
+    repeats: int
+
+    @staticmethod
+    def quick() -> "GridSpec":
+        return GridSpec((1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9), (128, 512), repeats=3)
+
+    @staticmethod
+    def full() -> "GridSpec":
+        return GridSpec((1, 2, 4, 8, 16, 32, 64), tuple(range(1, 10)), (128, 512, 1024), repeats=5)
+
+
+def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8, progress: bool = True
+                 ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Step times over the grid, and the layer-skip draft's per-round time at each B."""
+    engine = timing_engine(loaded, max(spec.batch_sizes), max(spec.tokens_per_seq), max(spec.contexts))
+    timer = StepTimer(engine)
+    draft = ModelRunner(engine.model.truncated(layer_skip_layers),
+                        engine.runner.kv_cache[:layer_skip_layers], engine.block_manager.block_size)
+    rows, drafts = [], []
+    cells = len(spec.batch_sizes) * len(spec.contexts) * len(spec.tokens_per_seq)
+    with Progress(disable=not progress) as bar:
+        task = bar.add_task("profiling steps", total=cells)
+        for ctx in spec.contexts:
+            for b in spec.batch_sizes:
+                timer.fill(b, ctx)
+                for t in spec.tokens_per_seq:
+                    timing = timer.time_steps(t, repeats=spec.repeats, warmup=1)
+                    rec = timer.decider.records[-1]
+                    rows.append({"batch_size": b, "tokens_per_seq": t, "context": ctx, "num_tokens": rec.num_tokens,
+                                 "context_tokens": rec.context_tokens, "seconds": timing.median,
+                                 "total_seconds": statistics.median(timing.total_seconds),
+                                 "all_seconds": timing.seconds})
+                    bar.advance(task)
+                drafts.append({"batch_size": b, "context": ctx,
+                               "seconds": _time_draft_round(draft, engine, spec.repeats)})
+    timer.clear()
+    return pd.DataFrame(rows), pd.DataFrame(drafts)
+
+
+def _time_draft_round(draft: ModelRunner, engine, repeats: int) -> float:
+    """One layer-skip draft forward over the running sequences (1 token each)."""
+    seqs = list(engine.scheduler.running)
+    items = [ScheduledSeq(s, [s.token_ids[-1]], s.num_tokens - 1, 1) for s in seqs]
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        batch = draft.build_batch(items, engine.block_manager)
+        draft.execute(batch).argmax(dim=-1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _measure_cheap_proposers(repeats: int = 200) -> dict[str, DraftCost]:
+    """n-gram and suffix proposing cost per sequence, on 1,000-token sequences with repeats."""
+    import random
+
+    from specplan.engine.proposers.ngram import NgramProposer
+    from specplan.engine.proposers.suffix import SuffixProposer
+    from specplan.engine.sampling import SamplingParams
+    from specplan.engine.sequence import Sequence
+
+    rng = random.Random(0)
+    costs = {}
+    for proposer in (NgramProposer(), SuffixProposer()):
+        seqs = [Sequence(seq_id=i, request_id=str(i), params=SamplingParams(),
+                         prompt_token_ids=[rng.randrange(200) for _ in range(1000)]) for i in range(8)]
+        proposer.propose(seqs, [4] * len(seqs))
+        times = []
+        for _ in range(repeats // 8):
+            for s in seqs:
+                s.token_ids.append(rng.randrange(200))
+            t0 = time.perf_counter()
+            proposer.propose(seqs, [4] * len(seqs))
+            times.append((time.perf_counter() - t0) / len(seqs))
+        costs[proposer.name] = DraftCost(per_step=0.0, per_token=statistics.median(times) / 4)
+    return costs
+
+
+def _fit_draft_rounds(drafts: pd.DataFrame) -> DraftCost:
+    """Layer-skip: a draft round costs a + b * B; per_token is b (per sequence, per round)."""
+    import numpy as np
+
+    b = drafts["batch_size"].to_numpy(dtype=float)
+    s = drafts["seconds"].to_numpy(dtype=float)
+    slope, intercept = np.polyfit(b, s, 1) if len(set(b)) > 1 else (0.0, float(s.mean()))
+    return DraftCost(per_step=max(float(intercept), 0.0), per_token=max(float(slope), 0.0))
+
+
+def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, drafts: pd.DataFrame,
+                  draft_costs: dict[str, DraftCost], dtype: torch.dtype, device: str) -> Profile:
+    cfg = loaded.config
+    shapes = [StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)) for r in grid.itertuples()]
+    secs = grid["seconds"].tolist()
+    model = fit_latency_model(shapes, secs)
+    held_err, held = heldout_error(shapes, secs)
+    roofline = [decode_step_cost(cfg, int(r.batch_size), int(r.tokens_per_seq), int(r.context))
+                .roofline_seconds(ceilings.peak_flops, ceilings.bandwidth) for r in grid.itertuples()]
+    one = layer_costs(cfg, [1], [1])
+    flops_per_token = sum(c.flops for k, c in one.items() if k != "attention") * cfg.num_layers
+    costs = dict(draft_costs)
+    costs["layer-skip"] = _fit_draft_rounds(drafts)
+    return Profile(
+        fingerprint=fingerprint(cfg, dtype, device),
+        ceilings=CeilingsModel(peak_flops=ceilings.peak_flops, bandwidth=ceilings.bandwidth, ridge=ceilings.ridge),
+        cost=CostConstants(
+            weight_bytes=weight_bytes(cfg), flops_per_token=flops_per_token,
+            lm_head_flops_per_row=2.0 * cfg.hidden_size * cfg.vocab_size,
+            kv_bytes_per_token=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
+            attention_flops_per_token_pair=4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers),
+        latency_model=model.to_dict(),
+        fit=FitError(heldout_mape=held_err, train_mape=mape([model.predict(s) for s in shapes], secs),
+                     roofline_mape=mape(roofline, secs), num_cells=len(shapes), num_heldout=len(held)),
+        draft_costs=costs,
+        max_batch=int(grid["batch_size"].max()), max_tokens_per_seq=int(grid["tokens_per_seq"].max()),
+    )
+
+
+def run_profile(model: str | None = None, quick: bool = True, out: Path | None = None,
+                report_dir: Path = Path("reports"), progress: bool = True, layer_skip_layers: int = 8,
+                command: str = "specplan profile") -> tuple[Profile, Path, Path]:
+    """Measure, fit and write; returns (profile, profile path, report path)."""
+    t0 = time.perf_counter()
+    loaded = load_model(model)
+    ceilings = measure_ceilings()
+    spec = GridSpec.quick() if quick else GridSpec.full()
+    grid, drafts = measure_grid(loaded, spec, layer_skip_layers, progress)
+    profile = build_profile(loaded, ceilings, grid, drafts, _measure_cheap_proposers(), torch.float32, "cpu")
+    slug = f"{loaded.name}-{profile.fingerprint.device}".replace("/", "_")
+    out = out or default_profile_path(profile.fingerprint)
+    grid_path = out.with_suffix(".grid.parquet")
+    grid.to_parquet(grid_path)
+    profile.grid_file = grid_path.name
+    profile.save(out)
+    from .report import render_profile_report
+
+    report = render_profile_report(profile, grid, loaded, report_dir / f"profile-{slug}.md",
+                                   command=command, seconds=time.perf_counter() - t0, quick=quick)
+    return profile, out, report
+
+
+def profile_cache_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("SPECPLAN_CACHE", Path.home() / ".cache" / "specplan")) / "profiles"
+
+
+def default_profile_path(fp) -> Path:
+    return profile_cache_dir() / f"{fp.model}-{fp.model_config_hash}-{fp.device}-{fp.dtype}-t{fp.threads}.json"
+
+
+__all__ = ["GridSpec", "measure_grid", "build_profile", "run_profile", "default_profile_path", "step_costs"]

@@ -1,0 +1,112 @@
+"""Timing real engine steps of a given shape: B sequences, T query tokens each, a given context.
+
+The profiler's grid and the engine benchmark both measure the same thing the planner predicts:
+the wall time of ``LLMEngine.step()`` — scheduling, proposing, building the batch, the forward
+pass, verification and bookkeeping — for B decoding sequences that each verify T = 1 + k tokens.
+A synthetic proposer supplies exactly k draft tokens per sequence (random ones: almost all get
+rejected, so the context stays put), and a fixed decider forces k.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from specplan.engine import LLMEngine, SamplingParams
+from specplan.engine.decider import StepRecord, StepView
+from specplan.engine.proposers.base import DraftTokens
+
+
+class RandomDraftProposer:
+    """k random draft tokens for every sequence: a proposer whose cost is nil and whose drafts
+    are (almost) always rejected, so timing sees the verify width without the context growing."""
+
+    name = "synthetic"
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+
+    def propose(self, seqs, k: list[int]) -> DraftTokens:
+        return DraftTokens(token_ids=[[self.rng.randrange(self.vocab_size) for _ in range(ki)] for ki in k])
+
+    def on_finished(self, seq) -> None:
+        pass
+
+
+class ForcedK:
+    """A decider that asks for the same k everywhere and keeps the step records."""
+
+    def __init__(self, k: int = 0):
+        self.k = k
+        self.records: list[StepRecord] = []
+
+    def decide(self, view: StepView) -> list[int]:
+        return [self.k] * len(view.requests)
+
+    def observe(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    batch_size: int
+    tokens_per_seq: int  # T = 1 + k
+    context: int  # mean context length during the timed steps
+    seconds: list[float]  # forward + verification, one per timed step (what the latency model predicts)
+    total_seconds: list[float]  # the whole engine step (scheduling, proposing, bookkeeping too)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+class StepTimer:
+    """Holds B decoding sequences in an engine and times steps of chosen widths over them."""
+
+    def __init__(self, engine: LLMEngine, seed: int = 0):
+        if engine.speculator is None:
+            raise ValueError("the step timer needs an engine built with speculation enabled")
+        self.engine = engine
+        self.decider = ForcedK()
+        engine.speculator.decider = self.decider
+        engine.speculator.proposer = RandomDraftProposer(engine.model_config.vocab_size, seed)
+        self.rng = random.Random(seed)
+        self._ids = 0
+
+    def fill(self, batch_size: int, context: int) -> None:
+        """Admit B requests with ``context`` random prompt tokens and run until all decode."""
+        self.clear()
+        vocab = self.engine.model_config.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=self.engine.max_model_len - context, ignore_eos=True)
+        for _ in range(batch_size):
+            self._ids += 1
+            prompt = [self.rng.randrange(vocab) for _ in range(context)]
+            self.engine.add_request(f"timer-{self._ids}", prompt, params)
+        self.decider.k = 0
+        sched = self.engine.scheduler
+        while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
+            self.engine.step()
+
+    def time_steps(self, tokens_per_seq: int, repeats: int, warmup: int = 1) -> StepTiming:
+        self.decider.k = tokens_per_seq - 1
+        seconds, totals, contexts = [], [], []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            self.engine.step()
+            elapsed = time.perf_counter() - t0
+            if i >= warmup:
+                rec = self.decider.records[-1]
+                if any(r.num_proposed != tokens_per_seq - 1 for r in rec.requests):
+                    raise RuntimeError("the engine shrank k (KV cache or token budget too small for this shape)")
+                seconds.append(rec.forward_s + rec.verify_s)
+                totals.append(elapsed)
+                contexts.append(rec.context_tokens / max(rec.num_seqs, 1))
+        running = len(self.engine.scheduler.running)
+        return StepTiming(running, tokens_per_seq, round(statistics.mean(contexts)), seconds, totals)
+
+    def clear(self) -> None:
+        for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+            self.engine.abort_request(seq.request_id)

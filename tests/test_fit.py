@@ -1,0 +1,52 @@
+"""The latency fit recovers a known synthetic latency function, and generalises to held-out cells."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specplan.profiler.fit import HingeLatencyModel, fit_latency_model, heldout_error, mape
+from specplan.profiler.latency_model import StepShape
+
+
+def synthetic(shape: StepShape) -> float:
+    # flat (memory-bound) up to 16 tokens, then 1.5 ms per token; attention and per-sequence terms
+    return 0.030 + 0.0015 * max(0, shape.num_tokens - 16) + 2e-7 * shape.context_tokens + 1e-4 * shape.num_seqs
+
+
+def grid(noise: float = 0.0, seed: int = 0):
+    rng = random.Random(seed)
+    shapes, secs = [], []
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        for t in (1, 2, 3, 5, 9):
+            for ctx in (128, 512, 1024):
+                s = StepShape(b, b * t, b * (ctx + t))
+                shapes.append(s)
+                secs.append(synthetic(s) * (1 + rng.gauss(0, noise)))
+    return shapes, secs
+
+
+def test_fit_recovers_known_function():
+    shapes, secs = grid()
+    model = fit_latency_model(shapes, secs)
+    assert mape([model.predict(s) for s in shapes], secs) < 0.5
+    assert model.intercept == pytest.approx(0.030, rel=0.05)
+    assert model.per_context_token == pytest.approx(2e-7, rel=0.1)
+    # the fitted curve is flat before the ridge and ~1.5 ms per token after it
+    flat = model.predict(StepShape(1, 8, 0)) - model.predict(StepShape(1, 1, 0))
+    steep = model.predict(StepShape(1, 64, 0)) - model.predict(StepShape(1, 32, 0))
+    assert flat < 2e-3 and steep == pytest.approx(32 * 0.0015, rel=0.05)
+
+
+def test_heldout_error_small_with_noise():
+    shapes, secs = grid(noise=0.02)
+    err, held = heldout_error(shapes, secs)
+    assert held and err < 4.0
+
+
+def test_model_round_trips_through_dict():
+    shapes, secs = grid()
+    model = fit_latency_model(shapes, secs)
+    again = HingeLatencyModel.from_dict(model.to_dict())
+    assert again == model
