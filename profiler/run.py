@@ -153,10 +153,10 @@ def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, d
 
 def run_profile(model: str | None = None, quick: bool = True, out: Path | None = None,
                 report_dir: Path = Path("reports"), progress: bool = True, layer_skip_layers: int = 8,
-                command: str = "specplan profile") -> tuple[Profile, Path, Path]:
+                command: str = "specplan profile", loaded: LoadedModel | None = None) -> tuple[Profile, Path, Path]:
     """Measure, fit and write; returns (profile, profile path, report path)."""
     t0 = time.perf_counter()
-    loaded = load_model(model)
+    loaded = loaded or load_model(model)
     ceilings = measure_ceilings()
     spec = GridSpec.quick() if quick else GridSpec.full()
     grid, drafts = measure_grid(loaded, spec, layer_skip_layers, progress)

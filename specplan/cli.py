@@ -1,13 +1,16 @@
-"""The `specplan` command line: generate (more commands join as the product grows)."""
+"""The `specplan` command line: generate, serve, profile, bench."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from specplan.bench_cli import bench_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="specplan: adaptive speculative decoding, planned from the roofline.")
@@ -40,10 +43,15 @@ def generate(
     spec_k: Annotated[int, typer.Option(help="Draft tokens per request per step (with --proposer).")] = 4,
     draft_model: Annotated[Optional[str], typer.Option(help="Draft model for --proposer draft.")] = None,
     draft_layers: Annotated[int, typer.Option(help="Target layers kept by --proposer layer-skip.")] = 4,
+    adaptive: Annotated[bool, typer.Option(help="Let the planner choose k per request per step.")] = False,
+    policy: Annotated[Optional[str], typer.Option(help="Planner policy, e.g. goodput, static:4, heuristic (with --adaptive).")] = None,
+    profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (with --adaptive; default: cached or a fresh quick one).")] = None,
+    sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target in ms (with --adaptive).")] = None,
 ) -> None:
     """Generate text for each prompt with the built-in engine."""
     from specplan.engine import LLM, RequestError, SamplingParams
-    from specplan.engine.loader import ModelLoadError
+    from specplan.engine.loader import ModelLoadError, load_model
+    from specplan.profiler.profile import ProfileError
 
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -52,14 +60,25 @@ def generate(
         fail(str(e))
     if any(not p for p in prompts):
         fail("a prompt is empty")
+    if not adaptive and (policy is not None or profile is not None or sla_itl_ms is not None):
+        fail("--policy, --profile and --sla-itl-ms only apply with --adaptive")
+    if adaptive:
+        proposer = proposer or "ngram"
     spec = None
     if proposer is not None:
         spec = {"proposer": proposer, "k": spec_k, "max_k": max(spec_k, 8), "draft_model": draft_model,
                 "draft_layers": draft_layers}
     t0 = time.perf_counter()
     try:
-        llm = LLM(model, speculative_config=spec)
-    except (ModelLoadError, ValueError) as e:
+        loaded = load_model(model)
+        decider = None
+        if adaptive:
+            from specplan.adaptive import make_planner
+
+            decider = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
+                                   sla_itl_ms=sla_itl_ms, max_k=max(spec_k, 8))
+        llm = LLM(speculative_config=spec, decider=decider, loaded=loaded)
+    except (ModelLoadError, ProfileError, ValueError) as e:
         fail(str(e))
     load_s = time.perf_counter() - t0
     try:
@@ -85,9 +104,96 @@ def generate(
                 f"{total / elapsed:.1f} tok/s")
         if spec:
             st = llm.engine.stats
-            line += (f"; {proposer} k={spec_k}: acceptance {st.acceptance_rate:.0%}, "
+            how = f"adaptive ({policy or 'goodput'})" if adaptive else f"k={spec_k}"
+            line += (f"; {proposer} {how}: acceptance {st.acceptance_rate:.0%}, "
                      f"mean accepted length {st.mean_accepted_length:.2f}")
         typer.secho(line + "]", err=True, fg=typer.colors.BRIGHT_BLACK)
+
+
+@app.command()
+def serve(
+    model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
+    proposer: Annotated[Optional[str], typer.Option(help="Speculate with: ngram | suffix | layer-skip | draft (default: no speculation).")] = None,
+    spec_k: Annotated[int, typer.Option(help="Draft tokens per request per step (fixed-k decider, with --proposer).")] = 4,
+    max_k: Annotated[Optional[int], typer.Option(help="Cap on any request's k, also a forced spec.k (default: max(spec-k, 8)).")] = None,
+    draft_model: Annotated[Optional[str], typer.Option(help="Draft model for --proposer draft.")] = None,
+    draft_layers: Annotated[int, typer.Option(help="Target layers kept by --proposer layer-skip.")] = 4,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences in the running batch at once.")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Query tokens per engine step.")] = 512,
+    max_model_len: Annotated[int, typer.Option(help="Prompt plus output tokens per request.")] = 2048,
+    kv_cache_mib: Annotated[int, typer.Option(help="KV cache budget in MiB.")] = 512,
+    max_queued: Annotated[int, typer.Option(help="Sequences allowed to wait before new requests get 429.")] = 256,
+    adaptive: Annotated[bool, typer.Option(help="Let the planner choose k per request per step.")] = False,
+    policy: Annotated[Optional[str], typer.Option(help="Planner policy (with --adaptive).")] = None,
+    profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (with --adaptive).")] = None,
+    sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target in ms (with --adaptive).")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    if not adaptive and (policy is not None or profile is not None or sla_itl_ms is not None):
+        fail("--policy, --profile and --sla-itl-ms only apply with --adaptive")
+    from specplan.engine.loader import ModelLoadError, load_model
+    from specplan.engine.server import build_engine
+    from specplan.engine.server import serve as run_server
+    from specplan.profiler.profile import ProfileError
+
+    t0 = time.perf_counter()
+    try:
+        loaded = load_model(model)
+        decider = None
+        if adaptive:
+            from specplan.adaptive import make_planner
+
+            proposer = proposer or "ngram"
+            decider = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
+                                   sla_itl_ms=sla_itl_ms, max_k=max_k if max_k is not None else 8)
+        engine = build_engine(model, proposer=proposer, spec_k=spec_k, max_k=max_k, draft_model=draft_model,
+                              draft_layers=draft_layers, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                              kv_cache_bytes=kv_cache_mib * 1024**2, decider=decider, loaded=loaded)
+    except (ModelLoadError, ProfileError, ValueError) as e:
+        fail(str(e))
+    spec_line = f"{proposer} k={spec_k}" if proposer else "no speculation"
+    if adaptive:
+        spec_line = f"{proposer}, adaptive ({policy or 'goodput'} policy" + (
+            f", ITL SLA {sla_itl_ms:g} ms)" if sla_itl_ms else ")")
+    typer.secho(f"[{engine.model_name}: loaded in {time.perf_counter() - t0:.1f}s; {spec_line}; "
+                f"{engine.block_manager.num_blocks} KV blocks; http://{host}:{port}/v1]",
+                err=True, fg=typer.colors.BRIGHT_BLACK)
+    run_server(host=host, port=port, served_model_name=served_model_name, max_queued=max_queued,
+               log_level=log_level, engine=engine)
+
+
+@app.command("profile")
+def profile_cmd(
+    model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
+    quick: Annotated[bool, typer.Option("--quick/--full", help="Quick grid (under 3 minutes) or the full one.")] = True,
+    out: Annotated[Optional[Path], typer.Option(help="Profile JSON path (default: the cache, where serve --adaptive finds it).")] = None,
+    report_dir: Annotated[Path, typer.Option(help="Where the Markdown report and plots go.")] = Path("reports"),
+    draft_layers: Annotated[int, typer.Option(help="Layer-skip draft depth whose cost is measured.")] = 8,
+) -> None:
+    """Measure this machine and model: roofline ceilings, step-time grid, drafting costs, latency fit."""
+    import shlex
+    import sys
+
+    from specplan.engine.loader import ModelLoadError
+    from specplan.profiler.run import run_profile
+
+    try:
+        profile, path, report = run_profile(model, quick=quick, out=out, report_dir=report_dir,
+                                            layer_skip_layers=draft_layers,
+                                            command="specplan " + shlex.join(sys.argv[1:]))
+    except ModelLoadError as e:
+        fail(str(e))
+    f = profile.fit
+    typer.echo(f"profile: {path}\nreport:  {report}\nlatency model error on held-out cells: {f.heldout_mape:.1f}% "
+               f"(pure roofline: {f.roofline_mape:.1f}%)")
+
+
+app.add_typer(bench_app, name="bench")
 
 
 def _tokens_per_s(output) -> float:

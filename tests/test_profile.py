@@ -68,3 +68,22 @@ def test_profile_for_another_model_is_refused(tiny_profile):
     with pytest.raises(ProfileError, match="does not match"):
         check_matches(profile, fingerprint(other, torch.float32, "cpu"), "p.json")
     assert check_matches(profile, fingerprint(loaded.config, torch.float32, "cpu"), "p.json") == []
+
+
+def test_planner_from_profile_steers_the_engine(tiny_profile):
+    from conftest import tiny_llm
+    from specplan.engine import SamplingParams
+    from specplan.planner.from_profile import planner_from_profile
+
+    loaded, _, profile = tiny_profile
+    for policy in ("goodput", "roofline", "static:3"):
+        planner = planner_from_profile(profile, policy, proposer="ngram", max_k=4)
+        from specplan.engine import LLM
+
+        llm = LLM(loaded=loaded, dtype=torch.float32, kv_cache_bytes=2**22, block_size=4,
+                  speculative_config={"proposer": "ngram", "k": 4}, decider=planner)
+        plain = LLM(loaded=loaded, dtype=torch.float32, kv_cache_bytes=2**22, block_size=4)
+        prompt = [5, 6, 7, 8] * 4
+        params = SamplingParams(temperature=0.0, max_tokens=20)
+        assert llm.generate(prompt, params)[0].token_ids == plain.generate(prompt, params)[0].token_ids
+        assert planner.num_decisions > 0
