@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionPlan, paged_attention, write_kv
+from .attention_cpu import load_kernel, paged_attention_cpu
+from .attention_cpu import supports as cpu_kernel_supports
 from .batch import TokenBatch
 from .config import ModelConfig
 from .linear import Linear, make_linear, mkl_packing_available
@@ -94,6 +96,8 @@ class Model:
         self.scale = c.head_dim ** -0.5
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+        if self.device.type == "cpu":
+            load_kernel()  # compile the paged-attention kernel now, not inside the first request
 
     def truncated(self, num_layers: int) -> "Model":
         """The first ``num_layers`` layers with the same embedding, final norm and LM head (shared
@@ -111,7 +115,11 @@ class Model:
         kv_cache: [num_layers, 2, num_blocks, block_size, KVH, D].
         """
         c = self.config
-        plan = AttentionPlan.build(batch, block_size, c.num_heads // c.num_kv_heads, c.sliding_window)
+        # On CPU a C++ kernel reads K/V in place through the block tables; tree-masked batches and
+        # other devices use the torch reference, which gathers each sequence's K/V.
+        use_kernel = cpu_kernel_supports(batch, self.dtype, self.device)
+        plan = None if use_kernel else AttentionPlan.build(batch, block_size, c.num_heads // c.num_kv_heads,
+                                                           c.sliding_window)
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]  # [N, 1, D]
         n = batch.num_tokens
         h = self.embed[batch.input_ids]  # [N, hidden]
@@ -124,7 +132,10 @@ class Model:
             v = v.reshape(n, c.num_kv_heads, c.head_dim)  # [N, KVH, D]
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, plan, self.scale)  # [N, H, D]
+            if use_kernel:
+                attn = paged_attention_cpu(q, k_cache, v_cache, batch, self.scale, c.sliding_window)  # [N, H, D]
+            else:
+                attn = paged_attention(q, k_cache, v_cache, plan, self.scale)  # [N, H, D]
             h = h + layer.o(attn.view(n, self.q_size))
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [N, I] each

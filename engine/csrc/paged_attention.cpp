@@ -1,0 +1,522 @@
+// Paged attention on CPU, read straight from the block-paged KV cache.
+//
+// Built and loaded by engine/attention_cpu.py (torch.utils.cpp_extension.load); registers the op
+// torch.ops.specplan_attn.paged_attention_cpu. Semantics match engine/attention.py's
+// paged_attention (causal, optional sliding window, GQA) for requests WITHOUT tree masks.
+//
+// Layouts:
+//   q             [N, H, D]                          contiguous, float32 or float64
+//   k/v cache     [num_blocks, block_size, KVH, D]   any strides, last dim contiguous
+//   query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32,
+//   positions     [N] int64
+// Request b owns query rows query_start_loc[b]:query_start_loc[b+1] and keys 0..seq_lens[b]-1;
+// key j lives in block block_tables[b][j / block_size] at offset j % block_size. Row i attends
+// to keys j <= positions[i] (and j > positions[i] - sliding_window when sliding_window > 0).
+// Query head h reads KV head h / G (G = H / KVH): the G heads of one KV head are processed
+// together against each key/value vector read in place; nothing is gathered or repeated. Rows
+// with no visible key (invalid input) come out as zeros.
+//
+// Work split: by default one item per (request, chunk of <= kQueryChunk query tokens) covering all
+// KV heads, so every cache block is streamed once, front to back, with the next block prefetched.
+// Few requests (a single verify or prefill): one item per KV head, and query chunks are halved
+// until each thread has a couple of items. Threads of torch's intra-op pool (at::parallel_for;
+// hence -fopenmp at build time) pull items, costliest first, from a shared counter. Per item and
+// query row: online (streaming) softmax over the key blocks, accumulated in the input precision.
+// float: explicit SIMD, 4 keys per pass for q.k, a vectorized exp; double: same loops, libm exp.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryChunk = 16;  // query tokens per work item (prefill chunks are split)
+constexpr int64_t kItemsPerThread = 4;     // fewer (request, chunk) items per thread: split by KV head
+constexpr int64_t kMinItemsPerThread = 2;  // still fewer: split the query rows finer
+
+// Explicit SIMD through GCC/Clang vector extensions (no intrinsics): 32-byte vectors become one
+// AVX register when built with -mavx2, or two SSE/NEON registers otherwise. Plain loops were
+// left half-scalar by the auto-vectorizer (reductions cannot be reassociated without -ffast-math).
+template <typename T>
+struct Simd;
+template <>
+struct Simd<float> {
+  typedef float V __attribute__((vector_size(32)));
+  typedef float Half __attribute__((vector_size(16)));
+};
+template <>
+struct Simd<double> {
+  typedef double V __attribute__((vector_size(32)));
+  typedef double Half __attribute__((vector_size(16)));
+};
+template <typename T>
+using Vec = typename Simd<T>::V;
+template <typename T>
+constexpr int64_t kLanes = 32 / sizeof(T);
+
+template <typename T>
+inline Vec<T> loadv(const T* p) {
+  Vec<T> v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned load
+  return v;
+}
+
+template <typename T>
+inline void storev(T* p, const Vec<T>& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+template <typename T>
+inline T hsum(const Vec<T>& v) {
+  typename Simd<T>::Half lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  const typename Simd<T>::Half h = lo + hi;
+  T s = h[0];
+  for (int64_t j = 1; j < kLanes<T> / 2; ++j) s += h[j];
+  return s;
+}
+
+template <typename T>
+inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
+  constexpr int64_t L = kLanes<T>;
+  Vec<T> s0 = {}, s1 = {};
+  int64_t d = 0;
+  for (; d + 2 * L <= n; d += 2 * L) {
+    s0 += loadv(a + d) * loadv(b + d);
+    s1 += loadv(a + d + L) * loadv(b + d + L);
+  }
+  if (d + L <= n) {
+    s0 += loadv(a + d) * loadv(b + d);
+    d += L;
+  }
+  T s = hsum<T>(s0 + s1);
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// out[t] = scale * dot(q, k + t * stride) for t < nt.
+template <typename T>
+inline void scores_row(const T* q, const T* k, int64_t stride, int64_t nt, int64_t n, T scale, T* out) {
+  for (int64_t t = 0; t < nt; ++t) out[t] = dot(q, k + t * stride, n) * scale;
+}
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define SPECPLAN_HAVE_SHUFFLEVECTOR 1
+#endif
+#endif
+
+#ifdef SPECPLAN_HAVE_SHUFFLEVECTOR
+// float: four keys per pass, so each chunk of q is loaded once for four keys and the four
+// horizontal sums share their shuffles (a 4x4 transpose-add).
+template <>
+inline void scores_row<float>(const float* q, const float* k, int64_t stride, int64_t nt, int64_t n, float scale,
+                              float* out) {
+  typedef Simd<float>::V V;
+  typedef Simd<float>::Half H;
+  constexpr int64_t L = kLanes<float>;
+  const int64_t nv = n / L * L;
+  int64_t t = 0;
+  for (; t + 4 <= nt; t += 4) {
+    const float* k0 = k + t * stride;
+    const float* k1 = k0 + stride;
+    const float* k2 = k1 + stride;
+    const float* k3 = k2 + stride;
+    V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t d = 0; d < nv; d += L) {
+      const V qd = loadv(q + d);
+      a0 += qd * loadv(k0 + d);
+      a1 += qd * loadv(k1 + d);
+      a2 += qd * loadv(k2 + d);
+      a3 += qd * loadv(k3 + d);
+    }
+    const H b0 = __builtin_shufflevector(a0, a0, 0, 1, 2, 3) + __builtin_shufflevector(a0, a0, 4, 5, 6, 7);
+    const H b1 = __builtin_shufflevector(a1, a1, 0, 1, 2, 3) + __builtin_shufflevector(a1, a1, 4, 5, 6, 7);
+    const H b2 = __builtin_shufflevector(a2, a2, 0, 1, 2, 3) + __builtin_shufflevector(a2, a2, 4, 5, 6, 7);
+    const H b3 = __builtin_shufflevector(a3, a3, 0, 1, 2, 3) + __builtin_shufflevector(a3, a3, 4, 5, 6, 7);
+    const H c0 = __builtin_shufflevector(b0, b1, 0, 4, 1, 5) + __builtin_shufflevector(b0, b1, 2, 6, 3, 7);
+    const H c1 = __builtin_shufflevector(b2, b3, 0, 4, 1, 5) + __builtin_shufflevector(b2, b3, 2, 6, 3, 7);
+    H sums = __builtin_shufflevector(c0, c1, 0, 1, 4, 5) + __builtin_shufflevector(c0, c1, 2, 3, 6, 7);
+    for (int64_t d = nv; d < n; ++d) {  // head_dim tail
+      const H kd = {k0[d], k1[d], k2[d], k3[d]};
+      sums += q[d] * kd;
+    }
+    sums *= scale;
+    std::memcpy(out + t, &sums, sizeof(sums));
+  }
+  for (; t < nt; ++t) out[t] = dot(q, k + t * stride, n) * scale;
+}
+#endif
+
+// acc[0:n] += sum_t p[t] * x[t * stride + 0:n]. Each chunk of acc stays in registers across all t
+// (instead of a load and a store of acc per key).
+template <typename T>
+inline void weighted_sum(T* __restrict acc, const T* __restrict p, const T* __restrict x, int64_t stride,
+                         int64_t nt, int64_t n) {
+  constexpr int64_t L = kLanes<T>;
+  int64_t d = 0;
+  for (; d + 4 * L <= n; d += 4 * L) {
+    Vec<T> r0 = loadv(acc + d), r1 = loadv(acc + d + L), r2 = loadv(acc + d + 2 * L), r3 = loadv(acc + d + 3 * L);
+    for (int64_t t = 0; t < nt; ++t) {
+      const Vec<T> pt = Vec<T>{} + p[t];
+      const T* xt = x + t * stride + d;
+      r0 += pt * loadv(xt);
+      r1 += pt * loadv(xt + L);
+      r2 += pt * loadv(xt + 2 * L);
+      r3 += pt * loadv(xt + 3 * L);
+    }
+    storev(acc + d, r0);
+    storev(acc + d + L, r1);
+    storev(acc + d + 2 * L, r2);
+    storev(acc + d + 3 * L, r3);
+  }
+  for (; d + L <= n; d += L) {
+    Vec<T> r = loadv(acc + d);
+    for (int64_t t = 0; t < nt; ++t) r += (Vec<T>{} + p[t]) * loadv(x + t * stride + d);
+    storev(acc + d, r);
+  }
+  for (; d < n; ++d) {
+    T r = acc[d];
+    for (int64_t t = 0; t < nt; ++t) r += p[t] * x[t * stride + d];
+    acc[d] = r;
+  }
+}
+
+// row[t] = exp(row[t] - m) for t < n; returns the sum. Generic (double): libm, one at a time.
+// row has room for n rounded up to whole vectors.
+template <typename T>
+inline T exp_and_sum(T* row, int64_t n, T m) {
+  T sum = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    row[t] = std::exp(row[t] - m);
+    sum += row[t];
+  }
+  return sum;
+}
+
+// float: 8 lanes at a time (inputs are <= 0 here: scores minus their running maximum). Cody-Waite
+// reduction x = k ln2 + r, |r| <= ln2/2, Cephes' degree-5 polynomial for e^r (max relative error
+// 8.4e-8 on [-87, 0]), 2^k built in the exponent bits; inputs below -87 (and -inf) give 0.
+inline Simd<float>::V exp_vec(Simd<float>::V x) {
+  typedef Simd<float>::V V;
+  typedef int32_t VI __attribute__((vector_size(32)));
+  const V lo = V{} + (-87.0f);
+  const VI under = x < lo;  // all ones where x < -87 (false for NaN, which propagates)
+  const V xc = (V)(((VI)lo & under) | ((VI)x & ~under));
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const V k = (xc * 1.44269504088896341f + magic) - magic;
+  V r = xc - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const V y = p * (r * r) + r + 1.0f;
+  const VI two_k = (__builtin_convertvector(k, VI) + 127) << 23;
+  const V res = y * (V)two_k;
+  return (V)((VI)res & ~under);
+}
+
+template <>
+inline float exp_and_sum<float>(float* row, int64_t n, float m) {
+  constexpr int64_t L = kLanes<float>;
+  for (int64_t t = n; t % L != 0; ++t) row[t] = -std::numeric_limits<float>::infinity();  // pad: exp = 0
+  Simd<float>::V sum = {};
+  for (int64_t t = 0; t < n; t += L) {
+    const Simd<float>::V e = exp_vec(loadv(row + t) - m);
+    storev(row + t, e);
+    sum += e;
+  }
+  return hsum<float>(sum);
+}
+
+// Software prefetch of `rows` rows of n elements, `stride` elements apart (one call per cache line).
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t stride, int64_t rows, int64_t n) {
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(base + r * stride);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+  }
+}
+
+struct WorkItem {
+  int64_t req;
+  int64_t kv_begin;  // KV heads [kv_begin, kv_end)
+  int64_t kv_end;
+  int64_t tok_begin;  // rows of q
+  int64_t tok_end;
+  int64_t cost;  // rows x keys, for largest-first scheduling
+};
+
+template <typename T>
+struct Scratch {
+  std::vector<T> m, l, acc, scores;
+  std::vector<int64_t> lo, hi;
+};
+
+template <typename T>
+struct Args {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;
+  const int32_t* seq_lens;
+  const int32_t* block_tables;
+  const int64_t* positions;
+  int64_t H, D, G, block_size, table_stride;
+  int64_t sk0, sk1, sk2, sv0, sv1, sv2;  // element strides: block, slot, kv head
+  T scale;
+  int64_t window;
+};
+
+template <typename T>
+void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
+  const int64_t G = a.G, D = a.D, bs = a.block_size;
+  const int64_t ntok = it.tok_end - it.tok_begin;
+  const int64_t heads = (it.kv_end - it.kv_begin) * G;  // query heads of this item, contiguous in q
+  const int64_t head0 = it.kv_begin * G;
+  const int64_t rows = ntok * heads;  // row r = i * heads + (h - head0)
+  const int64_t seq_len = a.seq_lens[it.req];
+  const int32_t* table = a.block_tables + it.req * a.table_stride;
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+
+  s.m.assign(rows, kNegInf);
+  s.l.assign(rows, T(0));
+  s.acc.assign(rows * D, T(0));
+  const int64_t ss = (bs + kLanes<T> - 1) / kLanes<T> * kLanes<T>;  // scores row stride
+  s.scores.resize(G * ss);
+  s.lo.resize(ntok);
+  s.hi.resize(ntok);
+
+  // Key range [lo, hi) of each query token; the union [jmin, jmax) bounds the blocks visited.
+  int64_t jmin = std::numeric_limits<int64_t>::max(), jmax = 0;
+  for (int64_t i = 0; i < ntok; ++i) {
+    const int64_t p = a.positions[it.tok_begin + i];
+    int64_t hi = std::min(p + 1, seq_len);
+    int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+    if (hi <= lo) lo = hi = 0;  // nothing visible: the row comes out as zeros
+    s.lo[i] = lo;
+    s.hi[i] = hi;
+    if (hi > lo) {
+      jmin = std::min(jmin, lo);
+      jmax = std::max(jmax, hi);
+    }
+  }
+
+  T* sc = s.scores.data();
+  for (int64_t blk = jmax > jmin ? jmin / bs : 0; blk * bs < jmax; ++blk) {
+    const int64_t j0 = blk * bs;
+    const int64_t j1 = std::min(j0 + bs, jmax);
+    const int64_t phys = table[blk];
+    if (j1 < jmax) {  // blocks are scattered in memory: start fetching the next one now
+      const int64_t next = table[blk + 1];
+      const int64_t n_next = std::min(bs, jmax - j1);
+      for (int64_t kv = it.kv_begin; kv < it.kv_end; ++kv) {
+        prefetch_rows(a.k + next * a.sk0 + kv * a.sk2, a.sk1, n_next, D);
+        prefetch_rows(a.v + next * a.sv0 + kv * a.sv2, a.sv1, n_next, D);
+      }
+    }
+    for (int64_t kv = it.kv_begin; kv < it.kv_end; ++kv) {
+      const T* kb = a.k + phys * a.sk0 + kv * a.sk2;
+      const T* vb = a.v + phys * a.sv0 + kv * a.sv2;
+      for (int64_t i = 0; i < ntok; ++i) {
+        const int64_t ta = std::max(s.lo[i], j0), tb = std::min(s.hi[i], j1);
+        if (ta >= tb) continue;
+        const int64_t nt = tb - ta;
+        const T* qi = a.q + ((it.tok_begin + i) * a.H + kv * G) * D;  // the G heads of kv, contiguous
+        const int64_t r0 = i * heads + kv * G - head0;
+        const T* k0 = kb + (ta - j0) * a.sk1;
+        for (int64_t g = 0; g < G; ++g) scores_row(qi + g * D, k0, a.sk1, nt, D, a.scale, sc + g * ss);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = r0 + g;
+          T* row = sc + g * ss;
+          T mx = row[0];
+          for (int64_t t = 1; t < nt; ++t) mx = std::max(mx, row[t]);
+          const T m_old = s.m[r];
+          if (mx > m_old) {
+            if (m_old != kNegInf) {  // rescale what was accumulated under the old maximum
+              const T alpha = std::exp(m_old - mx);
+              s.l[r] *= alpha;
+              T* acc = s.acc.data() + r * D;
+              for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+            }
+            s.m[r] = mx;
+          }
+          s.l[r] += exp_and_sum(row, nt, s.m[r]);
+        }
+        const T* v0 = vb + (ta - j0) * a.sv1;
+        for (int64_t g = 0; g < G; ++g) weighted_sum(s.acc.data() + (r0 + g) * D, sc + g * ss, v0, a.sv1, nt, D);
+      }
+    }
+  }
+
+  for (int64_t i = 0; i < ntok; ++i) {
+    T* o = a.out + ((it.tok_begin + i) * a.H + head0) * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t r = i * heads + h;
+      const T inv = s.l[r] > 0 ? T(1) / s.l[r] : T(0);
+      const T* acc = s.acc.data() + r * D;
+      for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[d] * inv;
+    }
+  }
+}
+
+template <typename T>
+void run(const Args<T>& a, const std::vector<WorkItem>& items) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    Scratch<T> s;
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n;) process(a, items[w], s);
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    worker();
+  } else {
+    // One task per thread; each pulls items until none are left (dynamic load balance).
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) worker();
+    });
+  }
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                               const at::Tensor& block_tables, const at::Tensor& positions, double scale,
+                               int64_t sliding_window) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_attention_cpu: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [N, H, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache / v_cache must both be [num_blocks, block_size, KVH, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache head_dim must be contiguous");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "cache head_dim ", k_cache.size(3), " != q head_dim ", D);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads ", H, " not a multiple of kv_heads ", KVH);
+  TORCH_CHECK(bs > 0, "block_size must be positive");
+
+  auto check_meta = [](const at::Tensor& t, at::ScalarType dt, int64_t dim, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dt && t.dim() == dim && t.is_contiguous(), name,
+                " must be a contiguous CPU ", c10::toString(dt), " tensor with ", dim, " dims");
+  };
+  check_meta(query_start_loc, at::kInt, 1, "query_start_loc");
+  check_meta(seq_lens, at::kInt, 1, "seq_lens");
+  check_meta(block_tables, at::kInt, 2, "block_tables");
+  check_meta(positions, at::kLong, 1, "positions");
+  const int64_t B = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == B + 1, "query_start_loc must have B+1 entries");
+  TORCH_CHECK(block_tables.size(0) == B, "block_tables must have B rows");
+  TORCH_CHECK(positions.size(0) == N, "positions must have N entries");
+
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == N, "query_start_loc must run from 0 to N = ", N);
+
+  // Validate everything that is used as an address.
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = sl[b];
+    TORCH_CHECK(qsl[b] <= qsl[b + 1], "query_start_loc must be non-decreasing");
+    TORCH_CHECK(L >= 0 && L <= max_blocks * bs, "seq_lens[", b, "] = ", L, " exceeds its block table");
+    for (int64_t j = 0; j < (L + bs - 1) / bs; ++j) {
+      const int64_t id = bt[b * max_blocks + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, "][", j, "] = ", id, " out of range");
+    }
+  }
+
+  // List the work. Default: one item per (request, chunk of <= kQueryChunk query tokens) covering
+  // all KV heads, so each block is read front to back once. With too few of those to keep the
+  // threads busy (few requests), one item per KV head, and if still too few, smaller query chunks
+  // (each re-reads the request's K/V, from cache by then).
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+  auto count_chunks = [&](int64_t chunk) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; ++b) n += (qsl[b + 1] - qsl[b] + chunk - 1) / chunk;
+    return n;
+  };
+  int64_t qchunk = kQueryChunk;
+  int64_t chunks = count_chunks(qchunk);
+  int64_t kv_per_item = KVH;
+  if (chunks < kItemsPerThread * threads) {
+    kv_per_item = 1;
+    while (qchunk > 1 && chunks * KVH < kMinItemsPerThread * threads) {
+      qchunk = (qchunk + 1) / 2;
+      chunks = count_chunks(qchunk);
+    }
+  }
+  std::vector<WorkItem> items;
+  items.reserve(chunks * (KVH / kv_per_item));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t qs = qsl[b], T = qsl[b + 1] - qsl[b];
+    const int64_t pieces = (T + qchunk - 1) / qchunk;  // equal-sized pieces of the request's rows
+    for (int64_t j = 0; j < pieces; ++j) {
+      const int64_t t0 = qs + T * j / pieces, t1 = qs + T * (j + 1) / pieces;
+      // Cost ~ rows x keys seen by the chunk's last token (causal prefill chunks differ a lot).
+      int64_t keys = std::min<int64_t>(pos[t1 - 1] + 1, sl[b]);
+      if (sliding_window > 0) keys = std::min(keys, sliding_window);
+      const int64_t cost = (t1 - t0) * kv_per_item * std::max<int64_t>(keys, 1);
+      for (int64_t kv = 0; kv < KVH; kv += kv_per_item) items.push_back({b, kv, kv + kv_per_item, t0, t1, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
+
+  at::Tensor out = at::empty_like(q);
+  if (N == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_attention_cpu", [&] {
+    Args<scalar_t> a;
+    a.q = q.data_ptr<scalar_t>();
+    a.k = k_cache.data_ptr<scalar_t>();
+    a.v = v_cache.data_ptr<scalar_t>();
+    a.out = out.data_ptr<scalar_t>();
+    a.seq_lens = sl;
+    a.block_tables = bt;
+    a.positions = pos;
+    a.H = H;
+    a.D = D;
+    a.G = H / KVH;
+    a.block_size = bs;
+    a.table_stride = max_blocks;
+    a.sk0 = k_cache.stride(0);
+    a.sk1 = k_cache.stride(1);
+    a.sk2 = k_cache.stride(2);
+    a.sv0 = v_cache.stride(0);
+    a.sv1 = v_cache.stride(1);
+    a.sv2 = v_cache.stride(2);
+    a.scale = static_cast<scalar_t>(scale);
+    a.window = sliding_window;
+    run(a, items);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specplan_attn, m) {
+  m.def(
+      "paged_attention_cpu(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
+      "Tensor seq_lens, Tensor block_tables, Tensor positions, float scale, int sliding_window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specplan_attn, CPU, m) {
+  m.impl("paged_attention_cpu", &paged_attention_cpu);
+}

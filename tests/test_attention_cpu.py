@@ -1,0 +1,203 @@
+"""CPU paged-attention kernel (engine/attention_cpu.py + engine/csrc/paged_attention.cpp) against the
+torch reference (engine/attention.py) on random caches, shuffled block tables and mixed batches."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from specplan.engine.attention import AttentionPlan, paged_attention
+from specplan.engine.batch import TokenBatch
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    from specplan.engine.attention_cpu import load_kernel
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler on PATH: the engine uses the torch reference")
+    op = load_kernel()
+    assert op is not None, "a compiler is available but the kernel failed to build (see the warning)"
+    return op
+
+
+def make_batch(specs: list[tuple[int, int]], block_size: int, seed: int, extra_blocks: int = 0,
+               tree: dict[int, torch.Tensor] | None = None) -> tuple[TokenBatch, int]:
+    """specs: (cached context, query tokens) per request. Blocks come from a shuffled pool; tables
+    are padded with 0 like ModelRunner.build_batch. Returns the batch and the pool size."""
+    rng = random.Random(seed)
+    need = sum(-(-(c + n) // block_size) + extra_blocks for c, n in specs)
+    num_blocks = need + 5  # some blocks belong to nobody
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    tables, positions, slots, qsl, seq_lens = [], [], [], [0], []
+    for ctx, n in specs:
+        length = ctx + n
+        blocks = [pool.pop() for _ in range(-(-length // block_size) + extra_blocks)]
+        tables.append(blocks)
+        pos = list(range(ctx, length))
+        positions += pos
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in pos]
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(length)
+    width = max(len(t) for t in tables)
+    tables = [t + [0] * (width - len(t)) for t in tables]
+    n_tok = len(positions)
+    qlens = [n for _, n in specs]
+    batch = TokenBatch(
+        input_ids=torch.zeros(n_tok, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        logits_indices=torch.arange(n_tok, dtype=torch.int64),
+        query_lens_host=qlens,
+        seq_lens_host=seq_lens,
+        tree_masks=tree,
+    )
+    return batch, num_blocks
+
+
+def make_tensors(batch: TokenBatch, num_blocks: int, block_size: int, heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    # One [2, ...] allocation like a layer of the engine's kv_cache; every block (used or not) is
+    # random, so reading a wrong block or slot shows up as a mismatch.
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g, dtype=dtype)
+    q = 2 * torch.randn(batch.num_tokens, heads, head_dim, generator=g, dtype=dtype)  # peaky softmax
+    return q, kv[0], kv[1]
+
+
+def reference(q, k_cache, v_cache, batch, window):
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    plan = AttentionPlan.build(batch, block_size, q.shape[1] // kv_heads, window)
+    return paged_attention(q, k_cache, v_cache, plan, q.shape[-1] ** -0.5)
+
+
+def check(specs, *, heads=9, kv_heads=3, head_dim=64, block_size=16, window=None, dtype=torch.float32,
+          seed=0, extra_blocks=0, cache_transform=None):
+    from specplan.engine.attention_cpu import paged_attention_cpu
+
+    batch, num_blocks = make_batch(specs, block_size, seed, extra_blocks)
+    q, k_cache, v_cache = make_tensors(batch, num_blocks, block_size, heads, kv_heads, head_dim, dtype, seed)
+    if cache_transform is not None:
+        k_cache, v_cache = cache_transform(k_cache), cache_transform(v_cache)
+    with torch.inference_mode():
+        ref = reference(q, k_cache, v_cache, batch, window)
+        out = paged_attention_cpu(q, k_cache, v_cache, batch, head_dim ** -0.5, window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    err = (out - ref).abs().max().item()
+    assert err <= TOL, f"max abs error {err:.3g} > {TOL}"
+    return out
+
+
+# decodes (T=1), verifies (T=2..9), a prefill chunk of 100 tokens after 150 cached ones, a fresh
+# 40-token prefill; contexts from 1 to 600 (partial last blocks almost everywhere).
+MIXED = [(0, 1), (16, 1), (255, 1), (599, 1), (36, 9), (4, 5), (127, 2), (300, 7), (150, 100),
+         (0, 40), (63, 3), (1, 9), (500, 4)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)], ids=["G1", "G3", "G4"])
+@pytest.mark.parametrize("window", [None, 48], ids=["causal", "window48"])
+def test_mixed_batch_matches_reference(kernel, heads, kv_heads, window):
+    check(MIXED, heads=heads, kv_heads=kv_heads, window=window, seed=heads * 7 + (window or 0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batches_match_reference(kernel, seed):
+    rng = random.Random(100 + seed)
+    specs = []
+    for _ in range(rng.randint(1, 12)):
+        kind = rng.random()
+        if kind < 0.4:
+            specs.append((rng.randint(0, 599), 1))  # decode
+        elif kind < 0.85:
+            specs.append((rng.randint(0, 591), rng.randint(1, 9)))  # verify
+        else:
+            specs.append((rng.randint(0, 300), rng.randint(17, 120)))  # prefill chunk
+    heads, kv_heads = rng.choice([(4, 4), (9, 3), (8, 2)])
+    window = rng.choice([None, 1, 17, 200])
+    check(specs, heads=heads, kv_heads=kv_heads, window=window, block_size=rng.choice([1, 8, 16, 32]),
+          seed=seed, extra_blocks=rng.randint(0, 2))
+
+
+def test_model_shapes_decode_batch(kernel):
+    """This model's shapes: B=32 decodes at context 256, and one 9-token verify."""
+    check([(255, 1)] * 32, seed=1)
+    check([(247, 9)], seed=2)
+
+
+def test_long_prefill_chunk(kernel):
+    """512 query tokens (split across threads by query chunks) after 100 cached tokens."""
+    check([(100, 512), (40, 1)], window=None, seed=3)
+    check([(100, 512)], window=128, seed=4)
+
+
+def test_float64(kernel):
+    check(MIXED, heads=8, kv_heads=2, dtype=torch.float64, seed=5)
+    check(MIXED, heads=9, kv_heads=3, dtype=torch.float64, window=33, seed=6)
+
+
+def test_odd_head_dim_and_block_size(kernel):
+    """head_dim not a multiple of the vector width (tails of every loop); blocks of 1 and 32 slots."""
+    check(MIXED, heads=6, kv_heads=2, head_dim=36, block_size=32, seed=7)
+    check([(9, 1), (30, 5), (0, 20)], heads=3, kv_heads=1, head_dim=12, block_size=1, seed=8)
+    check(MIXED, heads=8, kv_heads=2, head_dim=80, dtype=torch.float64, window=20, seed=10)
+
+
+def test_strided_cache_view(kernel):
+    """A cache whose head_dim is contiguous but whose other strides are not the dense ones."""
+
+    def padded(cache: torch.Tensor) -> torch.Tensor:
+        big = torch.randn(*cache.shape[:-1], cache.shape[-1] + 8, dtype=cache.dtype)
+        big[..., :cache.shape[-1]] = cache
+        return big[..., :cache.shape[-1]]
+
+    check(MIXED, heads=9, kv_heads=3, window=48, seed=9, cache_transform=padded)
+
+
+def test_threads_agree_with_single_thread(kernel):
+    """Dynamic scheduling over threads changes nothing: every row is computed by one thread."""
+    from specplan.engine.attention_cpu import paged_attention_cpu
+
+    batch, num_blocks = make_batch(MIXED, 16, 11)
+    q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 9, 3, 64, torch.float32, 11)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention_cpu(q, k_cache, v_cache, batch, 0.125, None)
+        torch.set_num_threads(max(2, before))
+        many = paged_attention_cpu(q, k_cache, v_cache, batch, 0.125, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+def test_tree_batch_is_refused(kernel):
+    from specplan.engine.attention_cpu import paged_attention_cpu, supports
+
+    tree = {0: torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)}
+    batch, num_blocks = make_batch([(20, 3), (5, 1)], 16, 12, tree=tree)
+    q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 4, 2, 32, torch.float32, 12)
+    assert not supports(batch, q.dtype, q.device)
+    with pytest.raises(ValueError, match="tree"):
+        paged_attention_cpu(q, k_cache, v_cache, batch, 0.2, None)
+    batch.tree_masks = None
+    assert supports(batch, q.dtype, q.device)
+
+
+def test_bad_block_id_is_an_error_not_a_crash(kernel):
+    from specplan.engine.attention_cpu import paged_attention_cpu
+
+    batch, num_blocks = make_batch([(20, 1), (40, 2)], 16, 13)
+    q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 4, 2, 32, torch.float32, 13)
+    batch.block_tables[1, 2] = num_blocks  # one past the end of the pool
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_attention_cpu(q, k_cache, v_cache, batch, 0.2, None)
