@@ -193,6 +193,112 @@ def profile_cmd(
                f"(pure roofline: {f.roofline_mape:.1f}%)")
 
 
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"{what} must be comma-separated numbers, got {text!r}")
+    if not values:
+        fail(f"{what} is empty")
+    return values
+
+
+@app.command()
+def sweep(
+    policies: Annotated[str, typer.Option(help="Comma-separated policies: off, static:K, batch_table, heuristic, roofline, goodput.")] = "off,static:2,static:4,batch_table,heuristic,goodput",
+    rates: Annotated[Optional[str], typer.Option(help="Comma-separated request rates (req/s, Poisson arrivals; 'inf' = all at once).")] = None,
+    concurrency: Annotated[Optional[str], typer.Option(help="Comma-separated concurrency levels (closed loop) instead of --rates.")] = None,
+    workload: Annotated[str, typer.Option(help="humaneval | gsm8k | mtbench | xsum | mix.")] = "mix",
+    sla_ttft_ms: Annotated[Optional[float], typer.Option(help="TTFT target (ms) for goodput.")] = None,
+    sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target (ms): p90 ITL per level, the planner's step-time cap, and the goodput TPOT threshold.")] = None,
+    sla_tpot_ms: Annotated[Optional[float], typer.Option(help="Goodput TPOT threshold (ms) if not the ITL target.")] = None,
+    sla_e2el_ms: Annotated[Optional[float], typer.Option(help="Goodput end-to-end latency threshold (ms).")] = None,
+    duration_s: Annotated[Optional[float], typer.Option(help="Seconds of arrivals per level (default 60 unless --num-requests).")] = None,
+    num_requests: Annotated[Optional[int], typer.Option(help="Requests per level instead of --duration-s.")] = None,
+    out: Annotated[Path, typer.Option(help="Output folder (e.g. reports/<name>).")] = Path("reports/sweep"),
+    model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
+    proposer: Annotated[str, typer.Option(help="ngram | suffix | layer-skip | draft.")] = "ngram",
+    profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached for this model and machine, or a fresh quick one).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for prompts and arrivals (the same requests for every policy).")] = 0,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request (max_tokens).")] = 128,
+    max_input_tokens: Annotated[Optional[int], typer.Option(help="Leave out prompts longer than this (default: what fits the context).")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate max_tokens every time.")] = False,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    warmup_requests: Annotated[int, typer.Option(help="Unrecorded requests before each level.")] = 2,
+    drain_timeout_s: Annotated[Optional[float], typer.Option(help="How long in-flight requests may run after the last arrival (default max(60, duration)).")] = None,
+    burstiness: Annotated[float, typer.Option(help="1 = Poisson; <1 burstier, >1 more regular (gamma intervals).")] = 1.0,
+    max_k: Annotated[int, typer.Option(help="Cap on k per request.")] = 8,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences in the running batch at once.")] = 64,
+    kv_cache_mib: Annotated[int, typer.Option(help="KV cache budget in MiB.")] = 512,
+    max_model_len: Annotated[int, typer.Option(help="Prompt plus output tokens per request.")] = 2048,
+    in_process_client: Annotated[bool, typer.Option(help="Run the load generator in the server's process (default: a child process).")] = False,
+) -> None:
+    """Run every policy at every load level against an in-process server; write parquet results and the report."""
+    import shlex
+
+    from specplan.engine.loader import ModelLoadError
+    from specplan.profiler.profile import ProfileError
+    from specplan.profiler.workloads import WorkloadUnavailableError
+
+    if (rates is None) == (concurrency is None):
+        fail("give exactly one of --rates and --concurrency")
+    if duration_s is not None and num_requests is not None:
+        fail("give --duration-s or --num-requests, not both")
+    if duration_s is None and num_requests is None:
+        duration_s = 60.0
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if not names:
+        fail("--policies is empty")
+    try:
+        from specplan.policies.registry import make_policy
+
+        for p in names:
+            make_policy(p)
+    except ValueError as e:
+        fail(str(e))
+    levels = _floats(rates, "--rates") if rates is not None else _floats(concurrency, "--concurrency")
+    from specplan.sweep import run_sweep
+
+    try:
+        path = run_sweep(names, rates=levels if rates is not None else None, workload=workload,
+                         sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms, sla_tpot_ms=sla_tpot_ms, sla_e2el_ms=sla_e2el_ms,
+                         duration_s=duration_s, num_requests=num_requests, out_dir=out, model=model, proposer=proposer,
+                         profile=profile, seed=seed, concurrency=[int(x) for x in levels] if concurrency is not None else None,
+                         max_tokens=max_tokens, max_input_tokens=max_input_tokens, warmup_requests=warmup_requests,
+                         drain_timeout_s=drain_timeout_s, burstiness=burstiness, temperature=temperature,
+                         ignore_eos=ignore_eos, max_k=max_k, client_process=not in_process_client,
+                         engine_kwargs={"max_num_seqs": max_num_seqs, "kv_cache_bytes": kv_cache_mib * 1024**2,
+                                        "max_model_len": max_model_len},
+                         progress=sys.stderr.isatty(), command="specplan " + shlex.join(sys.argv[1:]))
+    except (ModelLoadError, ProfileError, WorkloadUnavailableError, ValueError) as e:
+        fail(str(e))
+    typer.echo(f"results: {path}/requests.parquet, {path}/levels.parquet\nreport:  {path}/report.md")
+
+
+@app.command()
+def report(
+    out: Annotated[Path, typer.Argument(help="A sweep folder (what `specplan sweep --out` wrote).")],
+    sla_ttft_ms: Annotated[Optional[float], typer.Option(help="Re-judge with this TTFT target (ms).")] = None,
+    sla_itl_ms: Annotated[Optional[float], typer.Option(help="Re-judge with this ITL target (ms).")] = None,
+) -> None:
+    """Render <out>/report.md and its plots from a sweep's stored results (no re-run)."""
+    import dataclasses
+
+    from specplan.sweep import SLA
+    from specplan.sweep_report import load_results, render_report
+
+    sla = None
+    try:
+        if sla_ttft_ms is not None or sla_itl_ms is not None:
+            config, _, _ = load_results(out)
+            sla = dataclasses.replace(SLA(**config.get("sla", {})),
+                                      **{k: v for k, v in (("ttft_ms", sla_ttft_ms), ("itl_ms", sla_itl_ms)) if v is not None})
+        path = render_report(out, sla=sla)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        fail(str(e))
+    typer.echo(f"wrote {path}")
+
+
 app.add_typer(bench_app, name="bench")
 
 
