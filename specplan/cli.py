@@ -299,6 +299,41 @@ def report(
     typer.echo(f"wrote {path}")
 
 
+@app.command("evaluate")
+def evaluate_cmd(
+    model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
+    proposers: Annotated[str, typer.Option(help="Comma-separated proposers to evaluate.")] = "ngram",
+    workloads: Annotated[str, typer.Option(help="Comma-separated workloads.")] = "humaneval,gsm8k,mtbench,xsum",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated concurrency levels B.")] = "1,4,16,32",
+    policies: Annotated[str, typer.Option(help="Planner policies compared with every static k.")] = "batch_table,heuristic,roofline,goodput",
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
+    profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached or a fresh quick one).")] = None,
+    out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
+) -> None:
+    """Every policy against every static k on the same closed batches, offline (greedy, goodput)."""
+    import shlex
+
+    import pandas as pd
+
+    from specplan.adaptive import load_or_make_profile
+    from specplan.engine.loader import ModelLoadError, load_model
+    from specplan.evaluate import evaluate, render_evaluation
+    from specplan.profiler.profile import ProfileError
+
+    try:
+        loaded = load_model(model)
+        prof = load_or_make_profile(loaded, profile)
+    except (ModelLoadError, ProfileError) as e:
+        fail(str(e))
+    frames = [evaluate(loaded, prof, proposer=p, workloads=tuple(workloads.split(",")),
+                       batch_sizes=tuple(int(b) for b in batch_sizes.split(",")),
+                       policies=tuple(policies.split(",")), max_tokens=max_tokens)
+              for p in proposers.split(",")]
+    path = render_evaluation(pd.concat(frames, ignore_index=True), out,
+                             "specplan " + shlex.join(sys.argv[1:]))
+    typer.echo(f"wrote {path}")
+
+
 app.add_typer(bench_app, name="bench")
 
 

@@ -383,7 +383,12 @@ void run(const Args<T>& a, const std::vector<WorkItem>& items) {
     Scratch<T> s;
     for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n;) process(a, items[w], s);
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  // Waking a second thread costs tens of microseconds (far more when the cores are busy): a
+  // small step (a single decode over a short context) runs on the calling thread alone.
+  int64_t total_cost = 0;
+  for (const WorkItem& it : items) total_cost += it.cost * (it.kv_end - it.kv_begin);
+  constexpr int64_t kMinParallelCost = 1 << 15;  // query rows x keys x KV heads
+  const int64_t threads = total_cost < kMinParallelCost ? 1 : std::min<int64_t>(at::get_num_threads(), n);
   if (threads <= 1) {
     worker();
   } else {
