@@ -2,11 +2,13 @@
 
 Form (a convex piecewise-linear roofline in the token count, plus linear terms):
 
-    t(B, N, C) = a + sum_k w_k * max(0, N - n_k) + c * C + d * B,    all of w, c, d >= 0
+    t(B, N, C) = a + j * [N >= 2] + sum_k w_k * max(0, N - n_k) + c * C + d * B,   j, w, c, d >= 0
 
 The hinge terms let the curve stay flat while the step is memory-bound (extra verify tokens
 are nearly free) and bend upward where it turns compute-bound, without assuming where; C (KV
-tokens read) prices attention and d per-sequence overhead. Fitted by non-negative least squares
+tokens read) prices attention and d per-sequence overhead. The jump j exists because CPU GEMM
+libraries have a fast matrix-vector path for a single row: on this machine a step of 2 tokens
+costs ~1.5x a step of 1, then the curve is flat again for a while. Fitted by non-negative least squares
 on relative error (each row divided by its measured time), so fast and slow cells count alike.
 """
 
@@ -25,6 +27,7 @@ DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 @dataclass(frozen=True)
 class HingeLatencyModel:
     intercept: float  # seconds
+    multi_token_jump: float  # seconds added once a step has 2 or more tokens
     knots: tuple[float, ...]  # token counts where the slope may change
     slopes: tuple[float, ...]  # seconds per token added past each knot
     per_context_token: float  # seconds per KV token read
@@ -33,26 +36,31 @@ class HingeLatencyModel:
     def predict(self, shape: StepShape) -> float:
         n = shape.num_tokens
         t = self.intercept + self.per_context_token * shape.context_tokens + self.per_seq * shape.num_seqs
+        if n >= 2:
+            t += self.multi_token_jump
         for knot, slope in zip(self.knots, self.slopes):
             if n > knot:
                 t += slope * (n - knot)
         return t
 
     def to_dict(self) -> dict:
-        return {"form": "hinge", "intercept": self.intercept, "knots": list(self.knots), "slopes": list(self.slopes),
+        return {"form": "hinge", "intercept": self.intercept, "multi_token_jump": self.multi_token_jump,
+                "knots": list(self.knots), "slopes": list(self.slopes),
                 "per_context_token": self.per_context_token, "per_seq": self.per_seq}
 
     @staticmethod
     def from_dict(d: dict) -> "HingeLatencyModel":
-        return HingeLatencyModel(float(d["intercept"]), tuple(float(k) for k in d["knots"]),
+        return HingeLatencyModel(float(d["intercept"]), float(d.get("multi_token_jump", 0.0)),
+                                 tuple(float(k) for k in d["knots"]),
                                  tuple(float(s) for s in d["slopes"]), float(d["per_context_token"]), float(d["per_seq"]))
 
 
 def _features(shapes: list[StepShape], knots: tuple[float, ...]) -> np.ndarray:
     rows = []
     for s in shapes:
-        rows.append([1.0] + [max(0.0, s.num_tokens - k) for k in knots] + [float(s.context_tokens), float(s.num_seqs)])
-    return np.asarray(rows)  # [cells, 1 + knots + 2]
+        rows.append([1.0, float(s.num_tokens >= 2)] + [max(0.0, s.num_tokens - k) for k in knots]
+                    + [float(s.context_tokens), float(s.num_seqs)])
+    return np.asarray(rows)  # [cells, 2 + knots + 2]
 
 
 def fit_latency_model(shapes: list[StepShape], seconds: list[float], knots: tuple[float, ...] = DEFAULT_KNOTS
@@ -65,7 +73,7 @@ def fit_latency_model(shapes: list[StepShape], seconds: list[float], knots: tupl
     y = np.asarray(seconds, dtype=float)
     weight = 1.0 / y  # relative error
     coef, _ = nnls(x * weight[:, None], y * weight)
-    return HingeLatencyModel(float(coef[0]), knots, tuple(float(c) for c in coef[1:1 + len(knots)]),
+    return HingeLatencyModel(float(coef[0]), float(coef[1]), knots, tuple(float(c) for c in coef[2:2 + len(knots)]),
                              float(coef[-2]), float(coef[-1]))
 
 

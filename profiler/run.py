@@ -164,6 +164,7 @@ def run_profile(model: str | None = None, quick: bool = True, out: Path | None =
     slug = f"{loaded.name}-{profile.fingerprint.device}".replace("/", "_")
     out = out or default_profile_path(profile.fingerprint)
     grid_path = out.with_suffix(".grid.parquet")
+    grid_path.parent.mkdir(parents=True, exist_ok=True)
     grid.to_parquet(grid_path)
     profile.grid_file = grid_path.name
     profile.save(out)
