@@ -27,11 +27,11 @@ DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 @dataclass(frozen=True)
 class HingeLatencyModel:
     intercept: float  # seconds
-    multi_token_jump: float  # seconds added once a step has 2 or more tokens
     knots: tuple[float, ...]  # token counts where the slope may change
     slopes: tuple[float, ...]  # seconds per token added past each knot
     per_context_token: float  # seconds per KV token read
     per_seq: float  # seconds per sequence
+    multi_token_jump: float = 0.0  # seconds added once a step has 2 or more tokens
 
     def predict(self, shape: StepShape) -> float:
         n = shape.num_tokens
@@ -50,9 +50,9 @@ class HingeLatencyModel:
 
     @staticmethod
     def from_dict(d: dict) -> "HingeLatencyModel":
-        return HingeLatencyModel(float(d["intercept"]), float(d.get("multi_token_jump", 0.0)),
-                                 tuple(float(k) for k in d["knots"]),
-                                 tuple(float(s) for s in d["slopes"]), float(d["per_context_token"]), float(d["per_seq"]))
+        return HingeLatencyModel(float(d["intercept"]), tuple(float(k) for k in d["knots"]),
+                                 tuple(float(s) for s in d["slopes"]), float(d["per_context_token"]), float(d["per_seq"]),
+                                 float(d.get("multi_token_jump", 0.0)))
 
 
 def _features(shapes: list[StepShape], knots: tuple[float, ...]) -> np.ndarray:
@@ -73,8 +73,8 @@ def fit_latency_model(shapes: list[StepShape], seconds: list[float], knots: tupl
     y = np.asarray(seconds, dtype=float)
     weight = 1.0 / y  # relative error
     coef, _ = nnls(x * weight[:, None], y * weight)
-    return HingeLatencyModel(float(coef[0]), float(coef[1]), knots, tuple(float(c) for c in coef[2:2 + len(knots)]),
-                             float(coef[-2]), float(coef[-1]))
+    return HingeLatencyModel(float(coef[0]), knots, tuple(float(c) for c in coef[2:2 + len(knots)]),
+                             float(coef[-2]), float(coef[-1]), multi_token_jump=float(coef[1]))
 
 
 def mape(predicted: list[float] | np.ndarray, measured: list[float] | np.ndarray) -> float:
