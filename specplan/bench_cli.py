@@ -36,12 +36,37 @@ def bench_engine(
         try:
             import llama_cpp  # noqa: F401
 
-            from specplan.profiler.spec_bench import f32_gguf_path
+            from specplan.profiler.spec_bench import f32_gguf
 
-            gguf = f32_gguf_path()
+            gguf = f32_gguf()
         except ImportError:
             typer.secho("llama.cpp not installed (pip install -e '.[bench]'): skipping it", err=True)
     path = run_engine_bench(out, model, repeats, _ints(batch_sizes), _ints(tokens_per_seq), context,
                             include_hf=not no_hf, llama_cpp_gguf=gguf,
                             command="specplan " + shlex.join(sys.argv[1:]))
     typer.echo(f"wrote {path}")
+
+
+@bench_app.command("spec")
+def bench_spec(
+    out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
+    prompts_per_workload: Annotated[int, typer.Option(help="Prompts per workload (code, summarization, chat).")] = 1,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt (EOS ignored).")] = 128,
+    repeats: Annotated[int, typer.Option(help="Repeats per cell (median).")] = 3,
+    ks: Annotated[str, typer.Option(help="Comma-separated static k values.")] = "0,1,2,4,8",
+    proposers: Annotated[str, typer.Option(help="Comma-separated proposers.")] = "ngram,suffix,layer-skip",
+    no_hf: Annotated[bool, typer.Option("--no-hf", help="Skip Hugging Face transformers.")] = False,
+    no_llama_cpp: Annotated[bool, typer.Option("--no-llama-cpp", help="Skip llama.cpp.")] = False,
+) -> None:
+    """Batch-1 speculative decoding: specplan's proposers x k vs transformers and llama.cpp prompt lookup."""
+    from specplan.profiler.spec_bench import run_spec_bench
+
+    try:
+        run_spec_bench(out_dir=out, prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens,
+                       repeats=repeats, ks=_ints(ks), proposers=tuple(proposers.split(",")),
+                       include_hf=not no_hf, include_llama_cpp=not no_llama_cpp,
+                       command="specplan " + shlex.join(sys.argv[1:]))
+    except AssertionError as e:  # a speculative output differed from plain greedy: the report says where
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+    typer.echo(f"wrote {out / 'spec-bench.md'}")
