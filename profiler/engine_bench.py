@@ -72,7 +72,7 @@ class HFStepTimer:
         out = self.model(x, past_key_values=self.cache, use_cache=True)
         out.logits.argmax(dim=-1)
         elapsed = time.perf_counter() - t0
-        self.cache.crop(self.context)
+        self.cache.crop(-tokens_per_seq)  # transformers 5: a negative count removes that many tokens
         return elapsed
 
 
