@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(2)
+
+
+@dataclass(frozen=True)
+class RidgeLatency:
+    """A synthetic latency model: flat up to ``ridge_tokens`` tokens per step, then ``b`` s per token,
+    plus ``c`` s per KV token (for planner and policy tests)."""
+
+    a: float
+    b: float = 0.0
+    c: float = 0.0
+    ridge_tokens: int = 0
+
+    def predict(self, shape) -> float:
+        return self.a + self.b * max(0, shape.num_tokens - self.ridge_tokens) + self.c * shape.context_tokens
 
 
 def tiny_hf_model(arch: str = "llama", *, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):

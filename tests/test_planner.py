@@ -23,16 +23,9 @@ from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, D
 from specplan.planner.acceptance import ProposerPrior, default_prior
 from specplan.profiler.latency_model import StepShape
 
+from conftest import RidgeLatency
 
-@dataclass(frozen=True)
-class RidgeLatency:
-    a: float
-    b: float = 0.0
-    c: float = 0.0
-    ridge_tokens: int = 0
 
-    def predict(self, shape: StepShape) -> float:
-        return self.a + self.b * max(0, shape.num_tokens - self.ridge_tokens) + self.c * shape.context_tokens
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from specplan.planner.acceptance import AcceptanceEstimate
@@ -13,16 +11,9 @@ from specplan.policies import (POLICIES, BatchTablePolicy, GoodputPolicy, Heuris
 from specplan.policies.heuristic import next_k
 from specplan.profiler.latency_model import StepShape
 
+from conftest import RidgeLatency
 
-@dataclass(frozen=True)
-class RidgeLatency:
-    a: float
-    b: float = 0.0
-    c: float = 0.0
-    ridge_tokens: int = 0
 
-    def predict(self, shape: StepShape) -> float:
-        return self.a + self.b * max(0, shape.num_tokens - self.ridge_tokens) + self.c * shape.context_tokens
 
 
 FLAT = RidgeLatency(a=0.03)
