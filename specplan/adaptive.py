@@ -3,14 +3,12 @@ the profile for this model and machine, check it matches, and steer with it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import typer
 
 from specplan.engine.loader import LoadedModel
 from specplan.profiler.profile import Profile, ProfileError, check_matches, fingerprint
-from specplan.profiler.run import default_profile_path, run_profile
+from specplan.profiler.run import default_profile_path, profile_cache_dir, run_profile
 
 
 def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: torch.dtype = torch.float32,
@@ -36,7 +34,8 @@ def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: t
             typer.secho(f"warning: {e}; making a fresh one", err=True, fg=typer.colors.YELLOW)
     typer.secho("[no profile for this model and machine yet: measuring a quick one (under 3 minutes)]", err=True,
                 fg=typer.colors.BRIGHT_BLACK)
-    profile, path, report = run_profile(loaded=loaded, quick=True)
+    # The report goes beside the cached profile: serving must not rewrite the repository's reports/.
+    profile, path, report = run_profile(loaded=loaded, quick=True, report_dir=profile_cache_dir())
     typer.secho(f"[profile written to {path}; report {report}]", err=True, fg=typer.colors.BRIGHT_BLACK)
     return profile
 
@@ -50,4 +49,4 @@ def make_planner(loaded: LoadedModel, *, proposer: str, policy: str | None, prof
                                 sla_itl_s=sla_itl_ms / 1000 if sla_itl_ms is not None else None)
 
 
-__all__ = ["load_or_make_profile", "make_planner", "Path"]
+__all__ = ["load_or_make_profile", "make_planner"]
