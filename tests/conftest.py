@@ -25,6 +25,29 @@ class RidgeLatency:
         return self.a + self.b * max(0, shape.num_tokens - self.ridge_tokens) + self.c * shape.context_tokens
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE (the SmolLM2/Qwen2 kind) trained offline on ``texts``, with ChatML-style
+    special tokens (ids 0, 1, 2), a chat template and no EOS token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(texts, trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
 def tiny_hf_model(arch: str = "llama", *, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     """A random-weight transformers model small enough to run a step in milliseconds."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

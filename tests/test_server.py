@@ -18,16 +18,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import loaded_from_hf, tiny_hf_model
+from conftest import chat_tokenizer, loaded_from_hf, tiny_hf_model
 
 openai = pytest.importorskip("openai")
 
 NAME = "tiny-chat"
 MAX_MODEL_LEN = 512
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "hello world, speculative decoding drafts tokens and the target model verifies them",
@@ -37,19 +33,7 @@ CORPUS = [
 
 
 def make_tokenizer():
-    """A byte-level BPE trained on a few sentences, with a chat template and no EOS token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(CORPUS, trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>")
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return chat_tokenizer(CORPUS, vocab_size=320)
 
 
 @pytest.fixture(scope="module")

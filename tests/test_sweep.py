@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import loaded_from_hf, tiny_hf_model
+from conftest import chat_tokenizer, loaded_from_hf, tiny_hf_model
 from specplan.sweep import (SLA, StreamResult, arrival_times, is_good, max_load_meeting, meets_itl_sla,
                             parse_sse_line, request_timings, summarize_level)
 from specplan.sweep_report import evaluate_checks, render_report
@@ -193,8 +193,6 @@ def test_max_load_check_fails_when_another_policy_sustains_more(tmp_path):
 
 
 # ---- a short sweep end to end ----------------------------------------------------------------------------
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TEXTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
          "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
          "Write a short poem about the sea and the sky and the sea again.",
@@ -202,17 +200,7 @@ TEXTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n
 
 
 def _tiny_loaded():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(TEXTS, trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>")
-    tok.chat_template = CHAT_TEMPLATE
+    tok = chat_tokenizer(TEXTS, vocab_size=300)
     model = tiny_hf_model("llama", dtype=torch.float32, vocab_size=len(tok), max_position_embeddings=256, seed=5)
     return dataclasses.replace(loaded_from_hf(model, name="tiny-sweep"), tokenizer=tok)
 
