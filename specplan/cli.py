@@ -307,6 +307,7 @@ def evaluate_cmd(
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated concurrency levels B.")] = "1,4,16,32",
     policies: Annotated[str, typer.Option(help="Planner policies compared with every static k.")] = "batch_table,heuristic,roofline,goodput",
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Runs per cell, deciders interleaved; the report shows medians.")] = 3,
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached or a fresh quick one).")] = None,
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
 ) -> None:
@@ -327,7 +328,7 @@ def evaluate_cmd(
         fail(str(e))
     frames = [evaluate(loaded, prof, proposer=p, workloads=tuple(workloads.split(",")),
                        batch_sizes=tuple(int(b) for b in batch_sizes.split(",")),
-                       policies=tuple(policies.split(",")), max_tokens=max_tokens)
+                       policies=tuple(policies.split(",")), max_tokens=max_tokens, repeats=repeats)
               for p in proposers.split(",")]
     path = render_evaluation(pd.concat(frames, ignore_index=True), out,
                              "specplan " + shlex.join(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """`specplan evaluate`: every policy against every static k, offline, on the same requests.
 
 Cells are (workload, B): B requests of one workload run as a closed batch (all admitted at once,
-greedy, fixed output length), and each decider — static k in {0, 1, 2, 3, 4, 6, 8} and the planner
+greedy, fixed output length), repeated and reduced to medians, and each decider — static k in {0, 1, 2, 3, 4, 6, 8} and the planner
 policies — runs the very same requests on the same engine. Goodput is output tokens per second of
 wall time (prefill included). Greedy speculation is lossless, so every decider must produce the
 same tokens; the run checks it. The oracle is the best static k of each cell in hindsight.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -78,26 +79,36 @@ def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: i
 
 def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", workloads=WORKLOADS,
              batch_sizes=BATCH_SIZES, static_ks=STATIC_KS, policies=POLICIES, max_tokens: int = 64,
-             draft_layers: int = 8, seed: int = 0, progress: bool = True) -> pd.DataFrame:
+             draft_layers: int = 8, seed: int = 0, repeats: int = 1, progress: bool = True) -> pd.DataFrame:
+    """One row per (workload, B, decider): the median over ``repeats`` of goodput and friends. The
+    deciders of a cell run interleaved within each repeat, so machine drift hits them alike."""
     engine = _engine(loaded, proposer, max(batch_sizes), draft_layers)
     deciders = [(f"static:{k}", lambda k=k: FixedDecider(k)) for k in static_ks]
     deciders += [(p, lambda p=p: planner_from_profile(profile, p, proposer=proposer, max_k=8)) for p in policies]
     rows = []
+    total = len(workloads) * len(batch_sizes) * len(deciders) * repeats
     with Progress(disable=not progress) as bar:
-        task = bar.add_task(f"evaluate ({proposer})", total=len(workloads) * len(batch_sizes) * len(deciders))
+        task = bar.add_task(f"evaluate ({proposer})", total=total)
         for w in workloads:
             pool = [p.render(loaded.tokenizer) for p in load_workload(w, max(batch_sizes), seed)]
             for b in batch_sizes:
                 prompts = pool[:b]
                 reference = None
-                for name, make in deciders:
-                    bar.update(task, description=f"{proposer} {w} B={b} {name}")
-                    r = run_cell(engine, prompts, make(), max_tokens)
-                    outputs = r.pop("outputs")
-                    reference = reference or outputs
+                runs: dict[str, list[dict]] = {name: [] for name, _ in deciders}
+                for _ in range(repeats):
+                    for name, make in deciders:
+                        bar.update(task, description=f"{proposer} {w} B={b} {name}")
+                        r = run_cell(engine, prompts, make(), max_tokens)
+                        outputs = r.pop("outputs")
+                        reference = reference or outputs
+                        r["lossless"] = outputs == reference
+                        runs[name].append(r)
+                        bar.advance(task)
+                for name, rs in runs.items():
+                    row = {key: statistics.median(r[key] for r in rs) for key in rs[0] if key != "lossless"}
                     rows.append({"proposer": proposer, "workload": w, "batch_size": b, "decider": name,
-                                 "lossless": outputs == reference, **r})
-                    bar.advance(task)
+                                 "lossless": all(r["lossless"] for r in rs), "repeats": len(rs),
+                                 "goodput_all": [r["goodput"] for r in rs], **row})
     return pd.DataFrame(rows)
 
 

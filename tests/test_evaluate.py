@@ -53,3 +53,25 @@ def test_cells_are_lossless_across_deciders():
     assert a["outputs"] == b["outputs"] and a["output_tokens"] == 48
     assert a["k_zero_share"] == 1.0 and b["mean_k"] > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_evaluate_reports_medians_of_interleaved_repeats(monkeypatch):
+    import specplan.evaluate as ev
+
+    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
+
+    class Ids:
+        def __init__(self, ids):
+            self.ids = ids
+
+        def render(self, tokenizer):
+            return self.ids
+
+    monkeypatch.setattr(ev, "load_workload", lambda w, n, seed: [Ids([1 + i, 2, 3, 1 + i, 2, 3]) for i in range(n)])
+    monkeypatch.setattr(ev, "planner_from_profile", lambda *a, **k: FixedDecider(2))
+    df = ev.evaluate(loaded, profile=None, workloads=("w",), batch_sizes=(1, 2), static_ks=(0, 3),
+                     policies=("goodput",), max_tokens=6, repeats=3, progress=False)
+    assert len(df) == 2 * 3 and set(df.repeats) == {3}
+    assert df.lossless.all()
+    row = df.iloc[0]
+    assert row.goodput == sorted(row.goodput_all)[1]  # the median of three
