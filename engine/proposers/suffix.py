@@ -217,15 +217,7 @@ class SuffixProposer:
             for j, m in enumerate(lengths):
                 if m > e:
                     break
-                d = index[j]
-                key = (he - h[e - m] * powers[j]) % _MOD
-                v = d.get(key)
-                if v is None:
-                    d[key] = e
-                elif type(v) is int:
-                    d[key] = [v, e]
-                else:
-                    v.append(e)
+                _add(index[j], (he - h[e - m] * powers[j]) % _MOD, e)
         st.indexed_end = max(st.indexed_end, len(toks) - 1)
         return st
 
