@@ -1,15 +1,20 @@
 """Matrix products for the model's projections, with the fastest kernel each device has.
 
-Decode steps multiply a few rows (M = tokens in the step, 1..~64) by large weights, so they are
-memory-bound: what matters is streaming the weight once at full bandwidth. On x86 CPUs, MKL's
-packed GEMM (the weight reordered once into MKL's blocked layout; what torch.compile emits for
-frozen linears on CPU) does that best for small M (DESIGN.md §7); elsewhere plain ``F.linear``.
+Decode and verify steps multiply a few rows (M = tokens in the step, 1..~64) by every weight of
+the model, so they are bound by streaming the weights from memory once. On CPU in float32 the
+engine's own kernel (engine/csrc/packed_linear.cpp) does that at close to full bandwidth and is
+faster than MKL's SGEMM at every M measured (1..512, ``specplan bench engine``); elsewhere (CUDA,
+other dtypes, no compiler) plain ``F.linear``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_kernels
+
+PANEL = 32  # output columns per packed panel (NR in packed_linear.cpp)
 
 
 class Linear:
@@ -18,30 +23,41 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight  # [out, in]
         self.bias = bias  # [out] or None
+        self.out_features = weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-class MklPackedLinear(Linear):
-    """The same product through MKL's packed SGEMM (fp32, CPU).
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 32), K, 32]: panel p holds columns 32p..32p+31, k-major, zero padded."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype, device=weight.device)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
-    ``_mkl_linear``'s last argument must equal the input's row count, or MKL silently takes a
-    slow path. The dense weight is kept: the op needs it (and it is the tied embedding's storage).
-    """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack_batch_size: int = 1):
-        super().__init__(weight, bias)
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, pack_batch_size)
+class PackedLinear(Linear):
+    """The same product through the engine's CPU kernel. Only the packed copy of the weight is
+    kept (``weight`` is None): the dense one would double the model's memory for nothing."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.packed = pack_weight(weight)  # [P, K, 32]
+        self.weight = None
+        self.bias = None if bias is None else bias.contiguous()
+        self.out_features = weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])
+        lead = x.shape[:-1]
+        y = torch.ops.specplan_linear.packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), self.packed,
+                                                    self.out_features, self.bias)
+        return y.view(*lead, self.out_features)
 
 
-def mkl_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+def packed_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and cpu_kernels.load()
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False) -> Linear:
-    return MklPackedLinear(weight.contiguous(), bias) if packed else Linear(weight, bias)
+    return PackedLinear(weight, bias) if packed else Linear(weight, bias)

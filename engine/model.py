@@ -12,14 +12,14 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .attention import AttentionPlan, paged_attention, write_kv
+from .attention import AttentionPlan, paged_attention
 from .attention_cpu import load_kernel, paged_attention_cpu
 from .attention_cpu import supports as cpu_kernel_supports
 from .batch import TokenBatch
 from .config import ModelConfig
-from .linear import Linear, make_linear, mkl_packing_available
+from .layer_ops import layer_ops_for
+from .linear import Linear, make_linear, packed_available
 
 
 @dataclass
@@ -32,30 +32,17 @@ class DecoderLayer:
     down: Linear  # intermediate -> hidden
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D], cos/sin [N, 1, D] (rotate-half layout, as Hugging Face Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Model:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str,
                  dtype: torch.dtype, packed_linears: bool | None = None):
-        """``packed_linears``: MKL-packed weights (default: wherever available, i.e. CPU fp32)."""
+        """``packed_linears``: the engine's packed CPU kernel for the projections (default: wherever
+        available, i.e. CPU float32 with the C++ kernels built)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         c = config
         if packed_linears is None:
-            packed_linears = mkl_packing_available(self.device, dtype)
+            packed_linears = packed_available(self.device, dtype)
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return make_linear(weight, bias, packed_linears)
@@ -87,17 +74,17 @@ class Model:
                 gate_up=linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
                 down=linear(w(p + "mlp.down_proj.weight")),
             ))
-        # RoPE tables for every position the model can see: [max_pos, 1, D] (computed in fp32, as HF).
+        # RoPE tables for every position the model can see: [max_pos, D] (computed in fp32, as HF).
         inv_freq = torch.tensor(c.rope_inv_freq, dtype=torch.float32)
         pos = torch.arange(c.max_position_embeddings, dtype=torch.float32)
         freqs = torch.cat([pos[:, None] * inv_freq[None, :]] * 2, dim=-1)  # [max_pos, D]
-        self.rope_cos = (freqs.cos() * c.rope_attention_scaling).to(self.device, dtype)[:, None, :]
-        self.rope_sin = (freqs.sin() * c.rope_attention_scaling).to(self.device, dtype)[:, None, :]
+        self.rope_cos = (freqs.cos() * c.rope_attention_scaling).to(self.device, dtype).contiguous()
+        self.rope_sin = (freqs.sin() * c.rope_attention_scaling).to(self.device, dtype).contiguous()
+        self.ops = layer_ops_for(self.device, dtype)  # norms, RoPE + KV write, SiLU: fused on CPU
         self.scale = c.head_dim ** -0.5
         self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
         if self.device.type == "cpu":
-            load_kernel()  # compile the paged-attention kernel now, not inside the first request
+            load_kernel()  # compile the CPU kernels now, not inside the first request
 
     def truncated(self, num_layers: int) -> "Model":
         """The first ``num_layers`` layers with the same embedding, final norm and LM head (shared
@@ -120,27 +107,22 @@ class Model:
         use_kernel = cpu_kernel_supports(batch, self.dtype, self.device)
         plan = None if use_kernel else AttentionPlan.build(batch, block_size, c.num_heads // c.num_kv_heads,
                                                            c.sliding_window)
-        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]  # [N, 1, D]
-        n = batch.num_tokens
-        h = self.embed[batch.input_ids]  # [N, hidden]
+        ops, n, eps = self.ops, batch.num_tokens, c.rms_norm_eps
+        # Each layer's input norm is fused with the residual add that ends the previous layer.
+        norms = [layer.input_norm for layer in self.layers] + [self.final_norm]
+        h = self.embed[batch.input_ids]  # [N, hidden], the residual stream (updated in place)
+        x = ops.add_rms_norm_(h, None, norms[0], eps)  # [N, hidden]
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = layer.qkv(x)  # [N, (H + 2 KVH) * D]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)  # [N, H, D]
-            k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)  # [N, KVH, D]
-            v = v.reshape(n, c.num_kv_heads, c.head_dim)  # [N, KVH, D]
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]  # [num_blocks, block_size, KVH, D]
+            q = ops.rope_write_kv(layer.qkv(x), batch.positions, self.rope_cos, self.rope_sin, k_cache, v_cache,
+                                  batch.slot_mapping, c.num_heads, c.num_kv_heads)  # [N, H, D]
             if use_kernel:
                 attn = paged_attention_cpu(q, k_cache, v_cache, batch, self.scale, c.sliding_window)  # [N, H, D]
             else:
                 attn = paged_attention(q, k_cache, v_cache, plan, self.scale)  # [N, H, D]
-            h = h + layer.o(attn.view(n, self.q_size))
-            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [N, I] each
-            h = h + layer.down(F.silu(gate) * up)
-        return rms_norm(h, self.final_norm, c.rms_norm_eps)
+            x = ops.add_rms_norm_(h, layer.o(attn.view(n, self.q_size)), layer.post_norm, eps)
+            x = ops.add_rms_norm_(h, layer.down(ops.silu_mul(layer.gate_up(x))), norms[i + 1], eps)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -39,6 +41,8 @@
 #include <vector>
 
 namespace {
+
+using specplan::exp_nonpositive;
 
 constexpr int64_t kQueryChunk = 16;  // query tokens per work item (prefill chunks are split)
 constexpr int64_t kItemsPerThread = 4;     // fewer (request, chunk) items per thread: split by KV head
@@ -205,38 +209,13 @@ inline T exp_and_sum(T* row, int64_t n, T m) {
   return sum;
 }
 
-// float: 8 lanes at a time (inputs are <= 0 here: scores minus their running maximum). Cody-Waite
-// reduction x = k ln2 + r, |r| <= ln2/2, Cephes' degree-5 polynomial for e^r (max relative error
-// 8.4e-8 on [-87, 0]), 2^k built in the exponent bits; inputs below -87 (and -inf) give 0.
-inline Simd<float>::V exp_vec(Simd<float>::V x) {
-  typedef Simd<float>::V V;
-  typedef int32_t VI __attribute__((vector_size(32)));
-  const V lo = V{} + (-87.0f);
-  const VI under = x < lo;  // all ones where x < -87 (false for NaN, which propagates)
-  const V xc = (V)(((VI)lo & under) | ((VI)x & ~under));
-  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const V k = (xc * 1.44269504088896341f + magic) - magic;
-  V r = xc - k * 0.693359375f;
-  r = r - k * -2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const V y = p * (r * r) + r + 1.0f;
-  const VI two_k = (__builtin_convertvector(k, VI) + 127) << 23;
-  const V res = y * (V)two_k;
-  return (V)((VI)res & ~under);
-}
-
 template <>
 inline float exp_and_sum<float>(float* row, int64_t n, float m) {
   constexpr int64_t L = kLanes<float>;
   for (int64_t t = n; t % L != 0; ++t) row[t] = -std::numeric_limits<float>::infinity();  // pad: exp = 0
   Simd<float>::V sum = {};
   for (int64_t t = 0; t < n; t += L) {
-    const Simd<float>::V e = exp_vec(loadv(row + t) - m);
+    const Simd<float>::V e = exp_nonpositive(loadv(row + t) - m);
     storev(row + t, e);
     sum += e;
   }
@@ -387,7 +366,7 @@ void run(const Args<T>& a, const std::vector<WorkItem>& items) {
   // small step (a single decode over a short context) runs on the calling thread alone.
   int64_t total_cost = 0;
   for (const WorkItem& it : items) total_cost += it.cost * (it.kv_end - it.kv_begin);
-  constexpr int64_t kMinParallelCost = 1 << 15;  // query rows x keys x KV heads
+  constexpr int64_t kMinParallelCost = 1 << 12;  // query rows x keys x KV heads
   const int64_t threads = total_cost < kMinParallelCost ? 1 : std::min<int64_t>(at::get_num_threads(), n);
   if (threads <= 1) {
     worker();

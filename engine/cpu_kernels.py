@@ -1,0 +1,109 @@
+"""The engine's C++ CPU kernels (engine/csrc/), built into one extension on first use.
+
+Ops: ``torch.ops.specplan_attn.paged_attention_cpu`` (engine/attention_cpu.py),
+``torch.ops.specplan_linear.packed_linear`` (engine/linear.py) and the fused per-layer ops
+``torch.ops.specplan_ops.*`` (engine/layer_ops.py). The extension compiles once
+(about 20-40 s on 2 cores) and is cached by torch.utils.cpp_extension under
+``$SPECPLAN_CACHE/torch_extensions`` when SPECPLAN_CACHE is set, else torch's default extensions
+directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``); later processes only load
+the cached library. Without a compiler, or with ``SPECPLAN_CPU_KERNELS=0``, ``load`` returns
+False (one warning) and the engine falls back to torch ops everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "packed_linear.cpp", "fused_ops.cpp")]
+_lock = threading.Lock()
+_loaded: dict[str, bool] = {}  # "ok" once load() has run
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def build_config() -> tuple[str, list[str]]:
+    """(extension name, compiler flags) for this CPU: the widest vector ISA it has, named in the
+    extension (no -march=native, so a cache shared between machines never hands one CPU another's
+    instructions)."""
+    # -fopenmp: at::parallel_for is header code that only runs threads when _OPENMP is defined;
+    # the extension then shares torch's already-loaded libgomp (same soname), i.e. its thread pool.
+    # -ffp-contract=fast: a*b+c becomes one FMA (ISO C++ mode would otherwise forbid it).
+    # -Wno-psabi: GCC notes that wide vector arguments change ABI without AVX (internal only).
+    flags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
+    cpu = _cpu_flags()
+    if {"avx512f", "avx512vl", "avx2", "fma"} <= cpu:
+        return "specplan_cpu_kernels_avx512", flags + ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"]
+    if {"avx2", "fma"} <= cpu:
+        return "specplan_cpu_kernels_avx2", flags + ["-mavx2", "-mfma"]
+    return "specplan_cpu_kernels_generic", flags
+
+
+def _ops_registered() -> bool:
+    try:
+        torch.ops.specplan_attn.paged_attention_cpu  # noqa: B018 -- raises if not registered
+        torch.ops.specplan_linear.packed_linear  # noqa: B018
+        torch.ops.specplan_ops.silu_mul  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _compile() -> None:
+    if _ops_registered():  # already loaded in this process
+        return
+    from torch.utils import cpp_extension
+
+    for source in _SOURCES:
+        if not source.is_file():
+            raise FileNotFoundError(f"kernel source missing: {source}")
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
+    name, cflags = build_config()
+    build_dir = None
+    if os.environ.get("SPECPLAN_CACHE"):
+        build_dir = Path(os.environ["SPECPLAN_CACHE"]) / "torch_extensions" / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("loading CPU kernels %s (compiles on first use)", name)
+    cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=cflags,
+                       extra_ldflags=["-fopenmp"], build_directory=None if build_dir is None else str(build_dir),
+                       is_python_module=False, verbose=False)
+    if not _ops_registered():
+        raise RuntimeError(f"extension {name} loaded but its ops are not registered")
+
+
+def load() -> bool:
+    """Whether the kernels are usable here (compiling them on first use). On failure: one warning,
+    False, and callers use torch ops."""
+    with _lock:
+        if "ok" not in _loaded:
+            if os.environ.get("SPECPLAN_CPU_KERNELS", "1") == "0":
+                _loaded["ok"] = False
+            else:
+                try:
+                    _compile()
+                    _loaded["ok"] = True
+                except Exception as e:  # noqa: BLE001 -- any failure means "use torch ops"
+                    first = (str(e).strip().splitlines() or [""])[0]
+                    warnings.warn(f"specplan: CPU kernels unavailable ({type(e).__name__}: {first}); "
+                                  "using torch ops", RuntimeWarning, stacklevel=2)
+                    _loaded["ok"] = False
+        return _loaded["ok"]

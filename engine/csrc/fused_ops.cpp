@@ -1,0 +1,190 @@
+// The small per-layer ops of a decoder step, fused: each replaces 5-12 torch ops (and as many
+// temporaries) with one pass over the rows. float32, CPU. Built with the other kernels by
+// engine/cpu_kernels.py; engine/layer_ops.py holds the torch reference of each, op for op as
+// Hugging Face's Llama, and the tests compare the two.
+//
+//   add_rms_norm_(h [N, E], delta [N, E]?, weight [E], eps) -> [N, E]
+//       h += delta (in place, the residual stream), then returns weight * h / rms(h).
+//   rope_write_kv(qkv [N, (H + 2 KVH) D], positions [N], cos/sin [max_pos, D],
+//                 k_cache/v_cache [num_blocks, block_size, KVH, D], slot_mapping [N], H, KVH) -> q [N, H, D]
+//       rotates q and k (rotate-half layout) and writes k and v straight into their cache slots;
+//       returns the rotated q. Replaces split + two apply_rope + two index_copy_.
+//   silu_mul(gate_up [N, 2 I]) -> [N, I]:  silu(gate) * up.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "vec_math.h"
+
+namespace {
+
+using specplan::F8;
+using specplan::exp_nonpositive;
+
+constexpr int64_t kRowsPerTask = 8;         // rows per parallel task
+constexpr int64_t kMinParallelFloats = 1 << 15;  // smaller ops stay on the calling thread
+
+inline F8 load8(const float* p) {
+  F8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, F8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// fn(row_begin, row_end) over N rows of `width` floats, threaded only when it pays.
+template <typename Fn>
+void for_rows(int64_t N, int64_t width, const Fn& fn) {
+  if (N * width < kMinParallelFloats || at::get_num_threads() <= 1) {
+    fn(0, N);
+  } else {
+    at::parallel_for(0, N, kRowsPerTask, fn);
+  }
+}
+
+void check_float_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous(), name,
+              " must be a contiguous float32 [N, width] CPU tensor");
+}
+
+at::Tensor add_rms_norm_(at::Tensor h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
+  check_float_rows(h, "h");
+  const int64_t N = h.size(0), E = h.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == E && weight.scalar_type() == at::kFloat,
+              "weight must be [", E, "] float32");
+  const float* d = nullptr;
+  if (delta.has_value() && delta->defined()) {
+    check_float_rows(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == h.sizes(), "delta must have h's shape");
+    d = delta->data_ptr<float>();
+  }
+  at::Tensor out = at::empty_like(h);
+  float* hp = h.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  for_rows(N, E, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* x = hp + r * E;
+      if (d != nullptr) {
+        const float* dr = d + r * E;
+        for (int64_t j = 0; j < E; ++j) x[j] += dr[j];
+      }
+      // Sum of squares in double: as accurate as torch's cascade sum, whatever the order.
+      double ss = 0;
+      for (int64_t j = 0; j < E; ++j) ss += static_cast<double>(x[j]) * x[j];
+      const float inv = 1.0f / std::sqrt(static_cast<float>(ss / E) + static_cast<float>(eps));
+      float* o = op + r * E;
+      for (int64_t j = 0; j < E; ++j) o[j] = w[j] * (x[j] * inv);
+    }
+  });
+  return out;
+}
+
+// out[0:D] = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]].
+inline void rotate(const float* __restrict x, const float* __restrict c, const float* __restrict s, int64_t D,
+                   float* __restrict out) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < half; ++j) out[j] = x[j] * c[j] - x[j + half] * s[j];
+  for (int64_t j = half; j < D; ++j) out[j] = x[j] * c[j] + x[j - half] * s[j];
+}
+
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                         int64_t H, int64_t KVH) {
+  check_float_rows(qkv, "qkv");
+  check_float_rows(cos, "cos");
+  check_float_rows(sin, "sin");
+  const int64_t N = qkv.size(0), D = cos.size(1), max_pos = cos.size(0);
+  TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * KVH) * D, "qkv must be [N, (H + 2 KVH) * D]");
+  TORCH_CHECK(sin.sizes() == cos.sizes(), "sin and cos tables must match");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == KVH &&
+                  k_cache.size(3) == D && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "k_cache / v_cache must be float32 [num_blocks, block_size, KVH, D], head_dim contiguous");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous() && positions.numel() == N &&
+                  slot_mapping.numel() == N,
+              "positions and slot_mapping must be contiguous int64 [N]");
+  const int64_t bs = k_cache.size(1), num_slots = k_cache.size(0) * bs;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "position ", pos[i], " outside the RoPE table (", max_pos, ")");
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot ", slots[i], " outside the KV cache (", num_slots, ")");
+  }
+  at::Tensor q = at::empty({N, H, D}, qkv.options());
+  const float* in = qkv.data_ptr<float>();
+  const float* ct = cos.data_ptr<float>();
+  const float* st = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  const int64_t sk0 = k_cache.stride(0), sk1 = k_cache.stride(1), sk2 = k_cache.stride(2);
+  const int64_t sv0 = v_cache.stride(0), sv1 = v_cache.stride(1), sv2 = v_cache.stride(2);
+  const int64_t width = (H + 2 * KVH) * D;
+  for_rows(N, width, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const float* row = in + i * width;
+      const float* c = ct + pos[i] * D;
+      const float* s = st + pos[i] * D;
+      const int64_t block = slots[i] / bs, offset = slots[i] % bs;
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, D, qp + (i * H + h) * D);
+      for (int64_t kv = 0; kv < KVH; ++kv) {
+        rotate(row + (H + kv) * D, c, s, D, kp + block * sk0 + offset * sk1 + kv * sk2);
+        std::memcpy(vp + block * sv0 + offset * sv1 + kv * sv2, row + (H + KVH + kv) * D, D * sizeof(float));
+      }
+    }
+  });
+  return q;
+}
+
+// silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) (never overflows):
+// sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0.
+inline F8 silu_times(F8 g, F8 u) {
+  const F8 e = exp_nonpositive(g < 0 ? g : -g);
+  const F8 num = g < 0 ? e : F8{} + 1.0f;
+  return g * (num / (1.0f + e)) * u;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_float_rows(gate_up, "gate_up");
+  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I, "gate_up must have an even width");
+  at::Tensor out = at::empty({N, I}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for_rows(N, 2 * I, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = in + r * 2 * I;
+      const float* u = g + I;
+      float* o = op + r * I;
+      int64_t j = 0;
+      for (; j + 8 <= I; j += 8) store8(o + j, silu_times(load8(g + j), load8(u + j)));
+      for (; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specplan_ops, m) {
+  m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping, int H, int KVH) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specplan_ops, CPU, m) {
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rope_write_kv", &rope_write_kv);
+  m.impl("silu_mul", &silu_mul);
+}

@@ -1,0 +1,82 @@
+"""The fused per-layer CPU kernels (engine/csrc/fused_ops.cpp) against the torch reference
+(engine/layer_ops.py TorchLayerOps), which follows Hugging Face's Llama op for op."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from specplan.engine.layer_ops import CpuKernelOps, TorchLayerOps, layer_ops_for
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler on PATH: the engine uses the torch reference")
+    assert layer_ops_for(torch.device("cpu"), torch.float32) is CpuKernelOps
+
+
+@pytest.mark.parametrize("n,e", [(1, 64), (5, 576), (40, 100)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(n, e, with_delta):
+    g = torch.Generator().manual_seed(n + e)
+    h = torch.randn(n, e, generator=g) * 3
+    delta = torch.randn(n, e, generator=g) if with_delta else None
+    w = torch.randn(e, generator=g)
+    h_ref, h_ker = h.clone(), h.clone()
+    ref = TorchLayerOps.add_rms_norm_(h_ref, delta, w, 1e-5)
+    out = CpuKernelOps.add_rms_norm_(h_ker, delta, w, 1e-5)
+    assert torch.allclose(h_ker, h_ref, atol=1e-6)  # the residual stream is updated in place, the same way
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    if with_delta:
+        assert not torch.equal(h_ker, h)
+
+
+def _caches(blocks, block_size, kvh, d):
+    return (torch.zeros(blocks, block_size, kvh, d), torch.zeros(blocks, block_size, kvh, d))
+
+
+@pytest.mark.parametrize("n,heads,kvh,d", [(1, 9, 3, 64), (7, 4, 2, 8), (33, 2, 2, 16)])
+def test_rope_write_kv(n, heads, kvh, d):
+    g = torch.Generator().manual_seed(n)
+    qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=g)
+    max_pos, blocks, block_size = 128, 20, 4
+    angles = torch.rand(max_pos, d // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    positions = torch.randperm(max_pos, generator=g)[:n]
+    slots = torch.randperm(blocks * block_size, generator=g)[:n]  # scattered slots
+    k_ref, v_ref = _caches(blocks, block_size, kvh, d)
+    k_ker, v_ker = _caches(blocks, block_size, kvh, d)
+    q_ref = TorchLayerOps.rope_write_kv(qkv, positions, cos, sin, k_ref, v_ref, slots, heads, kvh)
+    q_ker = CpuKernelOps.rope_write_kv(qkv, positions, cos, sin, k_ker, v_ker, slots, heads, kvh)
+    assert q_ker.shape == (n, heads, d)
+    assert torch.allclose(q_ker, q_ref, atol=1e-5)
+    assert torch.allclose(k_ker, k_ref, atol=1e-5) and torch.equal(v_ker, v_ref)
+    assert k_ker.abs().sum() > 0
+
+
+def test_rope_write_kv_rejects_bad_slots():
+    qkv = torch.randn(1, 3 * 8)
+    cos = sin = torch.ones(4, 8)
+    k, v = _caches(2, 2, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        CpuKernelOps.rope_write_kv(qkv, torch.tensor([0]), cos, sin, k, v, torch.tensor([4]), 1, 1)
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        CpuKernelOps.rope_write_kv(qkv, torch.tensor([4]), cos, sin, k, v, torch.tensor([0]), 1, 1)
+
+
+@pytest.mark.parametrize("n,i", [(1, 1536), (3, 13), (17, 64)])
+def test_silu_mul(n, i):
+    g = torch.Generator().manual_seed(i)
+    gate_up = torch.randn(n, 2 * i, generator=g) * 8  # large |gate| too: exp must not overflow
+    gate_up[0, 0], gate_up[0, 1] = 100.0, -100.0
+    ref = TorchLayerOps.silu_mul(gate_up)
+    out = CpuKernelOps.silu_mul(gate_up)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_other_dtypes_use_the_reference():
+    assert layer_ops_for(torch.device("cpu"), torch.float64) is TorchLayerOps

@@ -1,0 +1,72 @@
+"""The packed CPU matmul kernel (engine/csrc/packed_linear.cpp) against F.linear."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specplan.engine.linear import Linear, PackedLinear, make_linear, pack_weight, packed_available
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler on PATH: the engine uses F.linear")
+    assert packed_available(torch.device("cpu"), torch.float32), "a compiler is available but the kernels failed to build"
+
+
+def test_pack_layout_worked_example():
+    # The worked example of packed_linear.cpp with 32-column panels: N=40 -> 2 panels, the second padded.
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+    p = pack_weight(w)
+    assert p.shape == (2, 3, 32)
+    assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 7], w[39])
+    assert torch.all(p[1, :, 8:] == 0)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 16, 17, 33, 130])
+@pytest.mark.parametrize("n,k", [(32, 16), (40, 24), (576, 64), (97, 5)])
+def test_matches_f_linear(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g)
+    expected = F.linear(x.double(), w.double()).float()
+    assert torch.allclose(PackedLinear(w)(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bias_and_leading_dims():
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(50, 20, generator=g), torch.randn(50, generator=g)
+    x = torch.randn(2, 3, 20, generator=g)  # any leading shape, like F.linear
+    out = PackedLinear(w, b)(x)
+    assert out.shape == (2, 3, 50)
+    assert torch.allclose(out, F.linear(x, w, b), atol=1e-5)
+
+
+def test_non_contiguous_input_and_empty_batch():
+    w = torch.randn(64, 48)
+    x = torch.randn(48, 10).t()  # [10, 48], not contiguous
+    assert torch.allclose(PackedLinear(w)(x), F.linear(x, w), atol=1e-5)
+    assert PackedLinear(w)(torch.empty(0, 48)).shape == (0, 64)
+
+
+def test_large_product_uses_threads_and_stays_exact():
+    # Big enough to be split between threads: every panel must be written exactly once.
+    w = torch.randn(4096 + 17, 256)
+    x = torch.randn(5, 256)
+    assert torch.allclose(PackedLinear(w)(x), F.linear(x, w), atol=1e-3, rtol=1e-4)
+
+
+def test_shape_mismatch_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="columns"):
+        PackedLinear(torch.randn(32, 16))(torch.randn(2, 15))
+
+
+def test_make_linear_falls_back_to_torch():
+    w = torch.randn(8, 4, dtype=torch.float64)
+    lin = make_linear(w, packed=False)
+    assert type(lin) is Linear and torch.equal(lin(torch.ones(1, 4, dtype=torch.float64)), w.sum(1)[None])
