@@ -90,6 +90,17 @@ def _compile() -> None:
         raise RuntimeError(f"extension {name} loaded but its ops are not registered")
 
 
+def build_id() -> str:
+    """What runs a CPU step here: the kernel build and a hash of its sources ("torch" without the
+    kernels). Profiles record it, so timings measured with other kernels are not reused silently."""
+    if not load():
+        return "torch"
+    import hashlib
+
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sorted(_SOURCES))).hexdigest()[:8]
+    return f"{build_config()[0].removeprefix('specplan_cpu_kernels_')}-{digest}"
+
+
 def load() -> bool:
     """Whether the kernels are usable here (compiling them on first use). On failure: one warning,
     False, and callers use torch ops."""

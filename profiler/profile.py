@@ -1,6 +1,7 @@
 """The Profile: what `specplan profile` measured, as JSON the planner loads.
 
-It carries a fingerprint of what was measured (model, dtype, device, threads, torch version),
+It carries a fingerprint of what was measured (model, dtype, device, threads, torch version,
+the engine's kernels),
 the machine's ceilings, the model's cost constants, the fitted latency model with its error on
 held-out cells and the pure roofline's error, and the measured drafting cost per proposer.
 """
@@ -30,9 +31,10 @@ class Fingerprint(BaseModel):
     threads: int
     torch_version: str
     cpu: str
+    kernels: str = "unknown"  # engine.cpu_kernels.build_id() on CPU; profiles from before it: "unknown"
 
     def mismatches(self, other: "Fingerprint") -> list[str]:
-        """Fields that differ in a way that makes timings invalid (torch version/CPU: warn only)."""
+        """Fields that differ in a way that makes timings invalid (torch version/CPU/kernels: warn only)."""
         return [f for f in ("model", "model_config_hash", "dtype", "device", "threads")
                 if getattr(self, f) != getattr(other, f)]
 
@@ -111,7 +113,13 @@ def fingerprint(model_config, dtype: torch.dtype, device: str) -> Fingerprint:
     digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return Fingerprint(model=model_config.name, model_config_hash=digest, dtype=str(dtype).removeprefix("torch."),
                        device=str(device), threads=torch.get_num_threads(), torch_version=torch.__version__,
-                       cpu=_cpu_name())
+                       cpu=_cpu_name(), kernels=_kernels(device))
+
+
+def _kernels(device: str) -> str:
+    from specplan.engine.cpu_kernels import build_id
+
+    return build_id() if torch.device(device).type == "cpu" else torch.device(device).type
 
 
 def _cpu_name() -> str:
@@ -132,7 +140,7 @@ def check_matches(profile: Profile, current: Fingerprint, path: Path | str) -> l
         raise ProfileError(f"profile {path} does not match what is being served ({detail}); "
                            f"make a fresh one with `specplan profile --quick`")
     warnings = []
-    for f in ("torch_version", "cpu"):
+    for f in ("torch_version", "cpu", "kernels"):
         if getattr(profile.fingerprint, f) != getattr(current, f):
             warnings.append(f"profile {path} was measured with {f} {getattr(profile.fingerprint, f)!r}, "
                             f"now {getattr(current, f)!r}: timings may be off (the planner corrects drift online)")

@@ -182,7 +182,8 @@ def profile_cache_dir() -> Path:
 
 
 def default_profile_path(fp) -> Path:
-    return profile_cache_dir() / f"{fp.model}-{fp.model_config_hash}-{fp.device}-{fp.dtype}-t{fp.threads}.json"
+    # The kernels are in the name: a new engine build measures a fresh profile instead of reusing one.
+    return profile_cache_dir() / f"{fp.model}-{fp.model_config_hash}-{fp.device}-{fp.dtype}-t{fp.threads}-{fp.kernels}.json"
 
 
 __all__ = ["GridSpec", "measure_grid", "build_profile", "run_profile", "default_profile_path", "step_costs"]
