@@ -1,7 +1,8 @@
 """`specplan profile`: measure this machine and model, fit the latency model, write the profile.
 
 Steps: (1) the roofline ceilings; (2) a grid of real engine steps over batch size B, tokens per
-sequence T = 1 + k and context length, median of repeats after warm-up; (3) drafting cost per
+sequence T = 1 + k and context length, median of repeats after warm-up (the T values of one
+batch taken round-robin); (3) drafting cost per
 proposer; (4) the fit, with its error on held-out cells next to the pure roofline's error;
 (5) the Profile JSON, the raw grid as parquet and a Markdown report with plots.
 """
@@ -38,7 +39,7 @@ class GridSpec:
 
     @staticmethod
     def quick() -> "GridSpec":
-        return GridSpec((1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9), (128, 512), repeats=3)
+        return GridSpec((1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9), (128, 512), repeats=5)
 
     @staticmethod
     def full() -> "GridSpec":
@@ -59,13 +60,23 @@ def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8
         for ctx in spec.contexts:
             for b in spec.batch_sizes:
                 timer.fill(b, ctx)
-                for t in spec.tokens_per_seq:
-                    timing = timer.time_steps(t, repeats=spec.repeats, warmup=1)
-                    rec = timer.decider.records[-1]
-                    rows.append({"batch_size": b, "tokens_per_seq": t, "context": ctx, "num_tokens": rec.num_tokens,
-                                 "context_tokens": rec.context_tokens, "seconds": timing.median,
-                                 "total_seconds": statistics.median(timing.total_seconds),
-                                 "all_seconds": timing.seconds})
+                # Round-robin over T: the repeats of one cell are spread over the whole pass, so a
+                # slow spell of this (shared, 2-core) machine does not land on one cell alone.
+                # Pass 0 is the warm-up.
+                runs: dict[int, list] = {t: [] for t in spec.tokens_per_seq}
+                for rep in range(spec.repeats + 1):
+                    for t in spec.tokens_per_seq:
+                        timing = timer.time_steps(t, repeats=1, warmup=0)
+                        if rep:
+                            runs[t].append((timing, timer.decider.records[-1]))
+                for t, samples in runs.items():
+                    secs = [timing.seconds[0] for timing, _ in samples]
+                    rows.append({"batch_size": b, "tokens_per_seq": t, "context": ctx,
+                                 "num_tokens": samples[-1][1].num_tokens,
+                                 "context_tokens": round(statistics.mean(r.context_tokens for _, r in samples)),
+                                 "seconds": statistics.median(secs),
+                                 "total_seconds": statistics.median(timing.total_seconds[0] for timing, _ in samples),
+                                 "all_seconds": secs})
                     bar.advance(task)
                 drafts.append({"batch_size": b, "context": ctx,
                                "seconds": _time_draft_round(draft, engine, spec.repeats)})
