@@ -35,6 +35,8 @@ def test_summary_checks_by_hand():
     assert g["geomean_vs_best_single_static"] == pytest.approx((19.8 * 99) ** 0.5 / 40)
     # per-request adaptivity beats the best single static k: sqrt(19.8 * 99) / 40 = 1.107
     assert g["pass_per_cell"] and g["pass_geomean"]
+    # the oracle takes each cell's best static k: sqrt(20 * 100) / 40
+    assert s["oracle_geomean_vs_best_single_static"] == pytest.approx((20 * 100) ** 0.5 / 40)
 
 
 def test_report_renders(tmp_path):
