@@ -48,12 +48,22 @@ def build_config() -> tuple[str, list[str]]:
     # -ffp-contract=fast: a*b+c becomes one FMA (ISO C++ mode would otherwise forbid it).
     # -Wno-psabi: GCC notes that wide vector arguments change ABI without AVX (internal only).
     flags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
+    isa_flags = {"avx512": ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"], "generic": []}
     cpu = _cpu_flags()
     if {"avx512f", "avx512vl", "avx2", "fma"} <= cpu:
-        return "specplan_cpu_kernels_avx512", flags + ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"]
-    if {"avx2", "fma"} <= cpu:
-        return "specplan_cpu_kernels_avx2", flags + ["-mavx2", "-mfma"]
-    return "specplan_cpu_kernels_generic", flags
+        isa = "avx512"
+    elif {"avx2", "fma"} <= cpu:
+        isa = "avx2"
+    else:
+        isa = "generic"
+    # SPECPLAN_CPU_ISA=avx2|generic builds a narrower variant (to test the fallbacks on a wide CPU).
+    forced = os.environ.get("SPECPLAN_CPU_ISA")
+    if forced:
+        order = list(isa_flags)
+        if forced not in isa_flags:
+            raise ValueError(f"SPECPLAN_CPU_ISA must be one of {', '.join(order)}, got {forced!r}")
+        isa = order[max(order.index(forced), order.index(isa))]  # never wider than this CPU
+    return f"specplan_cpu_kernels_{isa}", flags + isa_flags[isa]
 
 
 def _ops_registered() -> bool:

@@ -70,3 +70,31 @@ def test_make_linear_falls_back_to_torch():
     w = torch.randn(8, 4, dtype=torch.float64)
     lin = make_linear(w, packed=False)
     assert type(lin) is Linear and torch.equal(lin(torch.ones(1, 4, dtype=torch.float64)), w.sum(1)[None])
+
+
+_FALLBACK_CHECK = """
+import torch, torch.nn.functional as F
+from specplan.engine import cpu_kernels
+from specplan.engine.layer_ops import CpuKernelOps, TorchLayerOps
+from specplan.engine.linear import PackedLinear
+assert cpu_kernels.build_config()[0].endswith("{isa}") and cpu_kernels.load()
+w, x = torch.randn(97, 40), torch.randn(11, 40)
+assert torch.allclose(PackedLinear(w)(x), F.linear(x, w), atol=1e-4)
+g = torch.randn(3, 2 * 37) * 8
+assert torch.allclose(CpuKernelOps.silu_mul(g), TorchLayerOps.silu_mul(g), atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["generic"])
+def test_narrower_isa_builds_agree(isa, tmp_path):
+    """The kernels built for a CPU without AVX-512/AVX2 (forced with SPECPLAN_CPU_ISA) compute the
+    same products; built in a subprocess, since one process can load only one build of the ops."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SPECPLAN_CPU_ISA=isa, SPECPLAN_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _FALLBACK_CHECK.format(isa=isa)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
