@@ -12,6 +12,11 @@ import typer
 
 from specplan.bench_cli import bench_app
 
+# Engine sizing options shared by `serve` and `sweep`.
+MaxNumSeqs = Annotated[int, typer.Option(help="Sequences in the running batch at once.")]
+MaxModelLen = Annotated[int, typer.Option(help="Prompt plus output tokens per request.")]
+KvCacheMib = Annotated[int, typer.Option(help="KV cache budget in MiB.")]
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="specplan: adaptive speculative decoding, planned from the roofline.")
 
@@ -121,10 +126,10 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Sequences in the running batch at once.")] = 64,
+    max_num_seqs: MaxNumSeqs = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Query tokens per engine step.")] = 512,
-    max_model_len: Annotated[int, typer.Option(help="Prompt plus output tokens per request.")] = 2048,
-    kv_cache_mib: Annotated[int, typer.Option(help="KV cache budget in MiB.")] = 512,
+    max_model_len: MaxModelLen = 2048,
+    kv_cache_mib: KvCacheMib = 512,
     max_queued: Annotated[int, typer.Option(help="Sequences allowed to wait before new requests get 429.")] = 256,
     adaptive: Annotated[bool, typer.Option(help="Let the planner choose k per request per step.")] = False,
     policy: Annotated[Optional[str], typer.Option(help="Planner policy (with --adaptive).")] = None,
@@ -228,9 +233,9 @@ def sweep(
     drain_timeout_s: Annotated[Optional[float], typer.Option(help="How long in-flight requests may run after the last arrival (default max(60, duration)).")] = None,
     burstiness: Annotated[float, typer.Option(help="1 = Poisson; <1 burstier, >1 more regular (gamma intervals).")] = 1.0,
     max_k: Annotated[int, typer.Option(help="Cap on k per request.")] = 8,
-    max_num_seqs: Annotated[int, typer.Option(help="Sequences in the running batch at once.")] = 64,
-    kv_cache_mib: Annotated[int, typer.Option(help="KV cache budget in MiB.")] = 512,
-    max_model_len: Annotated[int, typer.Option(help="Prompt plus output tokens per request.")] = 2048,
+    max_num_seqs: MaxNumSeqs = 64,
+    kv_cache_mib: KvCacheMib = 512,
+    max_model_len: MaxModelLen = 2048,
     in_process_client: Annotated[bool, typer.Option(help="Run the load generator in the server's process (default: a child process).")] = False,
 ) -> None:
     """Run every policy at every load level against an in-process server; write parquet results and the report."""

@@ -155,7 +155,7 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str) -> Path:
     df.to_parquet(out_dir / "evaluation.parquet")
     summary = summarize(df)
     (out_dir / "evaluation-summary.json").write_text(json.dumps(summary, indent=1))
-    lines = [f"# Offline evaluation: adaptive speculation vs every static k", "",
+    lines = ["# Offline evaluation: adaptive speculation vs every static k", "",
              f"Made by `{command}`. Closed batches of B requests per workload, greedy, same requests for every "
              "decider; goodput = output tokens / wall time (prefill included). `static:0` is SD off; the oracle "
              "is the best static k per cell in hindsight.", ""]
