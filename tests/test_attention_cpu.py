@@ -152,6 +152,15 @@ def test_odd_head_dim_and_block_size(kernel):
     check(MIXED, heads=8, kv_heads=2, head_dim=80, dtype=torch.float64, window=20, seed=10)
 
 
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (64, 8), (128, 16), (128, 1)])
+def test_fast_path_head_sizes(kernel, head_dim, block_size):
+    """float with head_dim 64/128 runs the 16-keys-per-pass path: blocks wider than 16 (two
+    passes per block), narrower ones (masked lanes), one key per block, and a sliding window."""
+    check(MIXED, heads=8, kv_heads=2, head_dim=head_dim, block_size=block_size, seed=20 + block_size)
+    check([(0, 40), (70, 3), (200, 1)], heads=4, kv_heads=4, head_dim=head_dim, block_size=block_size,
+          window=37, seed=30 + block_size)
+
+
 def test_strided_cache_view(kernel):
     """A cache whose head_dim is contiguous but whose other strides are not the dense ones."""
 

@@ -22,7 +22,9 @@
 // until each thread has a couple of items. Threads of torch's intra-op pool (at::parallel_for;
 // hence -fopenmp at build time) pull items, costliest first, from a shared counter. Per item and
 // query row: online (streaming) softmax over the key blocks, accumulated in the input precision.
-// float: explicit SIMD, 4 keys per pass for q.k, a vectorized exp; double: same loops, libm exp.
+// float with head_dim 64 or 128 (the common sizes): attend_chunk16, 16 keys per pass in 16-lane
+// vectors with head_dim a compile-time constant. Other float head sizes: explicit SIMD, 4 keys per
+// pass for q.k, a vectorized exp. double: the same loops with libm exp.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -38,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -45,6 +48,7 @@ namespace {
 using specplan::exp_nonpositive;
 
 constexpr int64_t kQueryChunk = 16;  // query tokens per work item (prefill chunks are split)
+constexpr int64_t kPrefetchBlocks = 2;  // KV blocks fetched ahead of the one being read
 constexpr int64_t kItemsPerThread = 4;     // fewer (request, chunk) items per thread: split by KV head
 constexpr int64_t kMinItemsPerThread = 2;  // still fewer: split the query rows finer
 
@@ -232,6 +236,104 @@ inline void prefetch_rows(const T* base, int64_t stride, int64_t rows, int64_t n
   }
 }
 
+#ifdef SPECPLAN_HAVE_SHUFFLEVECTOR
+// ---- float fast path: 16 keys at a time in 16-lane vectors, head_dim D known at compile time ----
+// (one AVX-512 register per vector; two AVX2 or four SSE/NEON registers elsewhere). Per query row
+// and chunk of n <= 16 keys: 16 dot products reduced together into one vector of scores, one
+// vectorized exp, and the weighted sum of V with the row's accumulator held in registers.
+typedef float V16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t VI16 __attribute__((vector_size(64), aligned(4)));
+
+inline V16 load16(const float* p) { return *reinterpret_cast<const V16*>(p); }
+
+// out[t] = sum of the 16 lanes of p[t]. A transpose-add tree: each level halves the number of
+// vectors and doubles the keys per vector (15 shuffle pairs for 16 sums instead of 16 reductions).
+// Level 1 pairs keys (0,1): lanes 0-7 hold key 0's 8 partial sums, lanes 8-15 key 1's; level 2:
+// 4 lanes for each of keys 0-3; level 3: 2 lanes for each of keys 0-7; level 4: key t in lane t.
+inline V16 transpose_sum16(const V16 (&p)[16]) {
+  V16 x[8], z[4], u[2];
+  for (int j = 0; j < 8; ++j)
+    x[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * j], p[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 4; ++j)
+    z[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(x[2 * j], x[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    u[j] = __builtin_shufflevector(z[2 * j], z[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(z[2 * j], z[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline float hmax16(V16 v) {
+  V16 w = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v > w ? v : w;
+  w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v > w ? v : w;
+  w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  v = v > w ? v : w;
+  return v[0] > v[1] ? v[0] : v[1];
+}
+
+inline float hsum16(V16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  return v[0] + v[1];
+}
+
+// One query row (head) q[0:D] against keys k[t * ks], values v[t * vs] for t < n <= 16: the
+// online-softmax update of the row's running maximum m, denominator l and accumulator acc[0:D].
+template <int D>
+inline void attend_chunk16(const float* __restrict q, const float* __restrict k, int64_t ks,
+                           const float* __restrict v, int64_t vs, int n, float scale, float& m, float& l,
+                           float* __restrict acc) {
+  constexpr int C = D / 16;  // vectors per head
+  V16 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c) * scale;
+  V16 partial[16];
+  for (int t = 0; t < 16; ++t) {
+    V16 sum = {};
+    if (t < n) {
+      const float* kt = k + t * ks;
+      for (int c = 0; c < C; ++c) sum += qv[c] * load16(kt + 16 * c);
+    }
+    partial[t] = sum;
+  }
+  V16 scores = transpose_sum16(partial);  // lane t: q . k_t * scale
+  if (n < 16) {
+    const VI16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const V16 neg_inf = V16{} - std::numeric_limits<float>::infinity();
+    scores = lane < n ? scores : neg_inf;
+  }
+  V16 a[C];
+  for (int c = 0; c < C; ++c) a[c] = load16(acc + 16 * c);
+  const float mx = hmax16(scores);
+  if (mx > m) {
+    if (m != -std::numeric_limits<float>::infinity()) {  // rescale what was summed under the old maximum
+      const float alpha = std::exp(m - mx);
+      l *= alpha;
+      for (int c = 0; c < C; ++c) a[c] *= alpha;
+    }
+    m = mx;
+  }
+  const V16 p = specplan::exp_nonpositive_v<V16, VI16>(scores - m);  // padded lanes: exp(-inf) = 0
+  l += hsum16(p);
+  for (int t = 0; t < n; ++t) {
+    const V16 pt = V16{} + p[t];
+    const float* vt = v + t * vs;
+    for (int c = 0; c < C; ++c) a[c] += pt * load16(vt + 16 * c);
+  }
+  for (int c = 0; c < C; ++c) *reinterpret_cast<V16*>(acc + 16 * c) = a[c];
+}
+#endif
+
+#ifdef SPECPLAN_HAVE_SHUFFLEVECTOR
+constexpr bool kFastPath = true;
+#else
+constexpr bool kFastPath = false;
+#endif
+
 struct WorkItem {
   int64_t req;
   int64_t kv_begin;  // KV heads [kv_begin, kv_end)
@@ -262,7 +364,8 @@ struct Args {
   int64_t window;
 };
 
-template <typename T>
+// FastD > 0: float with head_dim FastD, through attend_chunk16; 0: the generic loops.
+template <typename T, int FastD>
 void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
   const int64_t G = a.G, D = a.D, bs = a.block_size;
   const int64_t ntok = it.tok_end - it.tok_begin;
@@ -297,18 +400,24 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
   }
 
   T* sc = s.scores.data();
-  for (int64_t blk = jmax > jmin ? jmin / bs : 0; blk * bs < jmax; ++blk) {
+  // Blocks are scattered in memory, so the hardware prefetcher cannot run ahead across them: fetch
+  // the keys and values kPrefetchBlocks blocks ahead of the one being read (the first ones at once).
+  const int64_t first_blk = jmax > jmin ? jmin / bs : 0;
+  auto prefetch_block = [&](int64_t blk) {
+    const int64_t j = blk * bs;
+    if (j >= jmax) return;
+    const int64_t phys = table[blk], n = std::min(bs, jmax - j);
+    for (int64_t kv = it.kv_begin; kv < it.kv_end; ++kv) {
+      prefetch_rows(a.k + phys * a.sk0 + kv * a.sk2, a.sk1, n, D);
+      prefetch_rows(a.v + phys * a.sv0 + kv * a.sv2, a.sv1, n, D);
+    }
+  };
+  for (int64_t d = 1; d < kPrefetchBlocks; ++d) prefetch_block(first_blk + d);
+  for (int64_t blk = first_blk; blk * bs < jmax; ++blk) {
     const int64_t j0 = blk * bs;
     const int64_t j1 = std::min(j0 + bs, jmax);
     const int64_t phys = table[blk];
-    if (j1 < jmax) {  // blocks are scattered in memory: start fetching the next one now
-      const int64_t next = table[blk + 1];
-      const int64_t n_next = std::min(bs, jmax - j1);
-      for (int64_t kv = it.kv_begin; kv < it.kv_end; ++kv) {
-        prefetch_rows(a.k + next * a.sk0 + kv * a.sk2, a.sk1, n_next, D);
-        prefetch_rows(a.v + next * a.sv0 + kv * a.sv2, a.sv1, n_next, D);
-      }
-    }
+    prefetch_block(blk + kPrefetchBlocks);
     for (int64_t kv = it.kv_begin; kv < it.kv_end; ++kv) {
       const T* kb = a.k + phys * a.sk0 + kv * a.sk2;
       const T* vb = a.v + phys * a.sv0 + kv * a.sv2;
@@ -319,6 +428,19 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
         const T* qi = a.q + ((it.tok_begin + i) * a.H + kv * G) * D;  // the G heads of kv, contiguous
         const int64_t r0 = i * heads + kv * G - head0;
         const T* k0 = kb + (ta - j0) * a.sk1;
+        const T* v0 = vb + (ta - j0) * a.sv1;
+#ifdef SPECPLAN_HAVE_SHUFFLEVECTOR
+        if constexpr (FastD > 0) {
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = r0 + g;
+            for (int64_t t = 0; t < nt; t += 16)
+              attend_chunk16<FastD>(qi + g * D, k0 + t * a.sk1, a.sk1, v0 + t * a.sv1, a.sv1,
+                                    static_cast<int>(std::min<int64_t>(16, nt - t)), a.scale, s.m[r], s.l[r],
+                                    s.acc.data() + r * D);
+          }
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < G; ++g) scores_row(qi + g * D, k0, a.sk1, nt, D, a.scale, sc + g * ss);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = r0 + g;
@@ -337,7 +459,6 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
           }
           s.l[r] += exp_and_sum(row, nt, s.m[r]);
         }
-        const T* v0 = vb + (ta - j0) * a.sv1;
         for (int64_t g = 0; g < G; ++g) weighted_sum(s.acc.data() + (r0 + g) * D, sc + g * ss, v0, a.sv1, nt, D);
       }
     }
@@ -354,13 +475,13 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
   }
 }
 
-template <typename T>
+template <typename T, int FastD>
 void run(const Args<T>& a, const std::vector<WorkItem>& items) {
   const int64_t n = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
     Scratch<T> s;
-    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n;) process(a, items[w], s);
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n;) process<T, FastD>(a, items[w], s);
   };
   // Waking a second thread costs tens of microseconds (far more when the cores are busy): a
   // small step (a single decode over a short context) runs on the calling thread alone.
@@ -488,7 +609,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
     a.sv2 = v_cache.stride(2);
     a.scale = static_cast<scalar_t>(scale);
     a.window = sliding_window;
-    run(a, items);
+    // The common head sizes get the float fast path; everything else the generic loops.
+    constexpr bool fast = kFastPath && std::is_same_v<scalar_t, float>;
+    if (D == 64) {
+      run<scalar_t, fast ? 64 : 0>(a, items);
+    } else if (D == 128) {
+      run<scalar_t, fast ? 128 : 0>(a, items);
+    } else {
+      run<scalar_t, 0>(a, items);
+    }
   });
   return out;
 }

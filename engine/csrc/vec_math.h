@@ -8,12 +8,12 @@ namespace specplan {
 typedef float F8 __attribute__((vector_size(32)));  // one AVX register, or two SSE/NEON registers
 typedef int32_t I8 __attribute__((vector_size(32)));
 
-// e^x for x <= 0 (softmax scores minus their maximum; sigmoid's e^-|x|), 8 lanes at a time. Cody-Waite
-// reduction x = k ln2 + r, |r| <= ln2/2, Cephes' degree-5 polynomial for e^r (max relative error
-// 8.4e-8 on [-87, 0]), 2^k built in the exponent bits; inputs below -87 (and -inf) give 0.
-inline F8 exp_nonpositive(F8 x) {
-  typedef F8 V;
-  typedef I8 VI;
+// e^x for x <= 0 (softmax scores minus their maximum; sigmoid's e^-|x|), for a float vector V of
+// any width with the int32 vector VI of the same width. Cody-Waite reduction x = k ln2 + r,
+// |r| <= ln2/2, Cephes' degree-5 polynomial for e^r (max relative error 8.4e-8 on [-87, 0]), 2^k
+// built in the exponent bits; inputs below -87 (and -inf) give 0.
+template <typename V, typename VI>
+inline V exp_nonpositive_v(V x) {
   const V lo = V{} + (-87.0f);
   const VI under = x < lo;  // all ones where x < -87 (false for NaN, which propagates)
   const V xc = (V)(((VI)lo & under) | ((VI)x & ~under));
@@ -32,5 +32,7 @@ inline F8 exp_nonpositive(F8 x) {
   const V res = y * (V)two_k;
   return (V)((VI)res & ~under);
 }
+
+inline F8 exp_nonpositive(F8 x) { return exp_nonpositive_v<F8, I8>(x); }
 
 }  // namespace specplan
