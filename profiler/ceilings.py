@@ -65,12 +65,23 @@ def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = 
 
 
 def measure_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 7) -> float:
-    """Read bandwidth: a sum over a buffer much larger than any cache (what a decode step does to
-    its weights), median of repeats."""
+    """Read bandwidth: the faster of a sum over a buffer much larger than any cache and, where the
+    engine has its own projection kernel, that kernel streaming a weight of the same size for one
+    row (what a decode step does to its weights; on CPU it can out-read torch's reduction, and a
+    floor it beats would be no floor). Median of repeats."""
+    from specplan.engine.linear import make_linear, packed_available
+
     device = torch.device(device)
     x = torch.ones(megabytes * 1024**2 // 4, device=device, dtype=torch.float32)
-    seconds = _median_seconds(lambda: x.sum(), repeats, device)
-    return x.numel() * 4 / seconds
+    best = x.numel() * 4 / _median_seconds(lambda: x.sum(), repeats, device)
+    del x
+    if packed_available(device, torch.float32):
+        k = 4096
+        n = megabytes * 1024**2 // 4 // k
+        linear = make_linear(torch.empty(n, k, device=device).normal_(), packed=True)
+        row = torch.randn(1, k, device=device)
+        best = max(best, n * k * 4 / _median_seconds(lambda: linear(row), repeats, device))
+    return best
 
 
 def measure_ceilings(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

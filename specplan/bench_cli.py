@@ -23,7 +23,7 @@ def bench_engine(
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf (default: embedded SmolLM2).")] = None,
     repeats: Annotated[int, typer.Option(help="Timed steps per cell (median).")] = 5,
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated B values.")] = "1,2,4,8,16,32",
-    tokens_per_seq: Annotated[str, typer.Option(help="Comma-separated T values (1 + k).")] = "1,2,3,5,9",
+    tokens_per_seq: Annotated[str, typer.Option(help="Comma-separated T values (1 + k).")] = "1,2,3,5,8,9",
     context: Annotated[int, typer.Option(help="Context tokens per sequence.")] = 256,
     no_hf: Annotated[bool, typer.Option("--no-hf", help="Skip Hugging Face transformers.")] = False,
     llama_cpp: Annotated[bool, typer.Option(help="Include llama.cpp (needs the bench extra).")] = True,

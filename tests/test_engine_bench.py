@@ -1,0 +1,38 @@
+"""The engine benchmark's report: targets computed from the grid, pass and fail both shown."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from specplan.profiler.ceilings import Ceilings, measure_bandwidth
+from specplan.profiler.engine_bench import render_engine_report
+
+
+def _grid(b1t1_ms: float, b1t8_ms: float) -> pd.DataFrame:
+    rows = []
+    for b, t, ours, hf in ((1, 1, b1t1_ms, 50.0), (1, 8, b1t8_ms, 140.0), (32, 1, 60.0, 200.0)):
+        rows.append({"batch_size": b, "tokens_per_seq": t, "tokens": b * t, "context": 256, "specplan_ms": ours,
+                     "hf_ms": hf, "floor_ms": 20.0, "intensity": 1.0, "bound": "memory",
+                     "specplan_all_ms": [ours], "hf_all_ms": [hf]})
+    return pd.DataFrame(rows)
+
+
+def test_report_checks_each_target(tmp_path):
+    ceilings = Ceilings(peak_flops=2e11, bandwidth=3e10, device="cpu", dtype="float32", threads=2)
+    generation = pd.DataFrame([{"engine": "specplan", "seconds": 2.0, "tokens_per_s": 64.0, "all_seconds": [2.0]},
+                               {"engine": "transformers", "seconds": 8.0, "tokens_per_s": 16.0, "all_seconds": [8.0]}])
+    path = render_engine_report(_grid(22.0, 33.0), generation, ceilings, "tiny", tmp_path, "specplan bench engine")
+    text = path.read_text()
+    assert "| B=1, T=1 step <= 1.2x roofline floor | 1.10x | yes |" in text
+    assert "| B=1, T=8 step <= 1.4x own B=1, T=1 | 1.50x | no |" in text
+    assert "| B=32, T=1 throughput >= 3x transformers | 3.33x | yes |" in text
+    assert "| single-stream >= 2.4x transformers | 4.00x | yes |" in text
+    assert (tmp_path / "engine-speed.png").stat().st_size > 0
+    assert len(json.loads((tmp_path / "engine-speed.json").read_text())["grid"]) == 3
+
+
+def test_bandwidth_is_positive_and_plausible():
+    bw = measure_bandwidth(megabytes=64, repeats=3)
+    assert 1e9 < bw < 1e13  # between 1 GB/s and 10 TB/s
