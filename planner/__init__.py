@@ -7,12 +7,12 @@ the two packages' import order matter.
 
 from .acceptance import AcceptanceConfig, AcceptanceEstimate, PooledAcceptance, ProposerPrior, RequestAcceptance
 from .allocate import Allocation, allocate
-from .drift import DriftConfig, DriftCorrectedLatency, DriftCorrection
+from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
 from .goodput import DraftCost, StepCostModel, expected_tokens, step_goodput
 from .timing import StepTimingLearner, TimingConfig
 
 __all__ = ["Planner", "AcceptanceConfig", "AcceptanceEstimate", "PooledAcceptance", "ProposerPrior",
-           "RequestAcceptance", "Allocation", "allocate", "DriftConfig", "DriftCorrection",
+           "RequestAcceptance", "Allocation", "allocate", "DraftSlope", "DraftSlopeConfig", "DriftConfig", "DriftCorrection",
            "DriftCorrectedLatency", "DraftCost", "StepCostModel", "expected_tokens", "step_goodput",
            "StepTimingLearner", "TimingConfig"]
 

@@ -20,7 +20,7 @@ from ..policies.base import Outcome, Policy, PolicyState, RequestState, Roofline
 from ..policies.registry import make_policy
 from ..profiler.latency_model import LatencyModel, StepShape
 from .acceptance import LOOKUP_PROPOSERS, AcceptanceConfig, PooledAcceptance, ProposerPrior, RequestAcceptance, default_prior
-from .drift import DriftConfig, DriftCorrectedLatency, DriftCorrection
+from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
 from .goodput import DraftCost
 from .timing import StepTimingLearner, TimingConfig
 
@@ -59,7 +59,8 @@ class Planner:
                  draft_cost: DraftCost = DraftCost(), roofline: Roofline | None = None,
                  learn_timing: bool = True, priors: Mapping[str, ProposerPrior] | None = None,
                  acceptance: AcceptanceConfig | None = None, drift: DriftConfig = DriftConfig(),
-                 timing: TimingConfig = TimingConfig(), forget_after_steps: int = 256):
+                 timing: TimingConfig = TimingConfig(), draft_slope: DraftSlopeConfig = DraftSlopeConfig(),
+                 forget_after_steps: int = 256):
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
         if sla_itl_s is not None and not sla_itl_s > 0:
@@ -67,6 +68,7 @@ class Planner:
         self.policy: Policy = make_policy(policy) if isinstance(policy, str) else policy
         self.drift = DriftCorrection(drift)
         self.latency = DriftCorrectedLatency(latency, self.drift) if latency is not None else None
+        self.draft_slope = DraftSlope(draft_slope)
         self.roofline = roofline
         missing = [f for f in self.policy.requires if getattr(self, f, None) is None]
         if missing:
@@ -158,7 +160,9 @@ class Planner:
         state = PolicyState(requests=tuple(reqs), base=base, proposer=proposer,
                             workload=self.workload, max_k=planner_cap, latency=self.latency,
                             draft_cost=self.draft_cost, overhead_s=self.overhead_s,
-                            sla_itl_s=self.sla_itl_s, roofline=self.roofline)
+                            sla_itl_s=self.sla_itl_s, roofline=self.roofline,
+                            draft_slope=self.draft_slope.slope(num_decodes),
+                            explore_slope=self.draft_slope.explore_slope(num_decodes))
         ks = self.policy.choose(state)
         if len(ks) != num_decodes:
             raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")
@@ -185,7 +189,24 @@ class Planner:
         for p in touched:
             p.refresh()
         if self.latency is not None:
-            self.latency.observe(StepShape(record.num_seqs, record.num_tokens, record.context_tokens),
-                                 record.forward_s + record.verify_s)
+            self._observe_step_time(record, sum(rr.num_proposed for rr in record.requests))
         if self.learn_timing:
             self._timing_for(proposer).observe(record.total_s - record.forward_s - record.verify_s, total_drafts, deepest)
+
+    def _observe_step_time(self, record: StepRecord, drafts: int) -> None:
+        """Closed loop on step time: the drift factor from every step, the drafts' slope from
+        steps with drafts against plain steps of the same batch size (planner/drift.py)."""
+        shape = StepShape(record.num_seqs, record.num_tokens, record.context_tokens)
+        measured = record.forward_s + record.verify_s
+        model = self.latency.inner
+        drafts = min(drafts, record.num_tokens - record.num_seqs)
+        num_decodes = len(record.requests)
+        if drafts <= 0:
+            predicted = model.predict(shape)
+            self.drift.update(predicted, measured)
+            self.draft_slope.observe_plain(num_decodes, predicted, measured)
+            return
+        base_s = model.predict(StepShape(record.num_seqs, record.num_tokens - drafts, record.context_tokens - drafts))
+        with_drafts_s = model.predict(shape)
+        self.drift.update(base_s + self.draft_slope.slope(num_decodes) * (with_drafts_s - base_s), measured)
+        self.draft_slope.observe_drafts(num_decodes, base_s, with_drafts_s, measured)

@@ -63,6 +63,112 @@ class DriftCorrectedLatency:
     def predict(self, shape: StepShape) -> float:
         return self.inner.predict(shape) * self.drift.factor
 
-    def observe(self, shape: StepShape, measured_s: float) -> None:
-        """Fold in one measured step (forward + verify seconds) of the given shape."""
-        self.drift.update(self.inner.predict(shape), measured_s)
+
+
+@dataclass(frozen=True)
+class DraftSlopeConfig:
+    """How the price of draft tokens is learned (see ``DraftSlope``)."""
+
+    discount: float = 0.98  # per observed speculative step: ~50 steps of memory
+    plain_smoothing: float = 0.1  # EMA weight of a plain step's measured / predicted ratio once warm
+    unit_increment: float = 0.1  # a step whose drafts add 10% to its predicted time is one unit of evidence
+    prior_units: float = 1.0  # the profile's slope (1) counts as this many units
+    optimism: float = 0.5  # with no evidence, exploration prices drafts at (1 - optimism) x the slope
+    min_slope: float = 0.1
+    max_slope: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.discount <= 1.0 or not 0.0 < self.plain_smoothing <= 1.0:
+            raise ValueError("discount and plain_smoothing must be in (0, 1]")
+        if self.unit_increment <= 0 or self.prior_units <= 0:
+            raise ValueError("unit_increment and prior_units must be > 0")
+        if not 0.0 <= self.optimism < 1.0:
+            raise ValueError(f"optimism must be in [0, 1), got {self.optimism}")
+        if not 0.0 < self.min_slope <= 1.0 <= self.max_slope:
+            raise ValueError("need 0 < min_slope <= 1 <= max_slope")
+
+
+@dataclass
+class _Bucket:
+    log_plain_ratio: float = 0.0  # EMA of log(measured / predicted) over plain steps
+    plain_steps: int = 0
+    sxy: float = 0.0  # discounted sums for the slope's least squares
+    sxx: float = 0.0
+
+
+class DraftSlope:
+    """How much draft tokens really cost, relative to what the latency model says, per batch size.
+
+    The drift factor fixes the level of the model's predictions; what decides speculation is their
+    *slope*: how much a step grows when its decodes carry drafts. A profile fitted over a grid can
+    misprice that growth at one batch size (on this CPU it once put a 2-token step at B=4 at 1.24x a
+    1-token step where 1.06-1.12x was measured), and then the policy never speculates there and
+    never learns otherwise. So we learn, per batch-size bucket (powers of two), a slope s with
+
+        step(base + n drafts) = r * [T(base) + s * (T(base + n) - T(base))]
+
+    T the profile's model and r what plain steps of this bucket measured against it lately (an
+    EMA of measured / predicted over steps without drafts). Each speculative step gives a relative
+    increment predicted x = (T(base + n) - T(base)) / T(base) and measured
+    y = measured / (r * T(base)) - 1; s is their least squares through the origin, discounted,
+    starting from s = 1 worth ``prior_units`` steps of a 10% increment. Bigger increments weigh
+    more (they stand out from timing noise). Until a bucket has seen plain steps there is no r to
+    measure against, and s stays at 1: the level and the slope could not be told apart.
+
+    Exploration: a policy that prices drafts too high turns speculation off and then sees no
+    speculative step to learn from. ``explore_slope`` is an optimistic slope for that case,
+    (1 - optimism / (1 + units)) * s: with no evidence, half the model's increment, 3/4 after one
+    unit of evidence, 9/10 after four. The goodput policy tries it only when its own choice is
+    "off" and the optimistic choice is predicted, at the learned slope, to lose at most a small
+    budget; each speculative step measured then moves s toward the truth.
+    """
+
+    def __init__(self, config: DraftSlopeConfig = DraftSlopeConfig()):
+        self.config = config
+        self._buckets: dict[int, _Bucket] = {}
+
+    @staticmethod
+    def bucket(num_seqs: int) -> int:
+        return max(num_seqs, 1).bit_length()  # 1 -> 1, 2-3 -> 2, 4-7 -> 3, ...
+
+    def _fit(self, num_seqs: int) -> tuple[float, float]:
+        """(slope, units of evidence) for this batch size."""
+        cfg = self.config
+        b = self._buckets.get(self.bucket(num_seqs)) or _Bucket()
+        prior = cfg.prior_units * cfg.unit_increment ** 2
+        slope = (prior + b.sxy) / (prior + b.sxx)
+        return max(cfg.min_slope, min(cfg.max_slope, slope)), b.sxx / cfg.unit_increment ** 2
+
+    def slope(self, num_seqs: int) -> float:
+        """The learned slope for this batch size."""
+        return self._fit(num_seqs)[0]
+
+    def explore_slope(self, num_seqs: int) -> float:
+        """The learned slope, made optimistic while evidence is thin; not before a plain step of
+        this batch size was seen (a probe could teach nothing without one to compare with)."""
+        slope, units = self._fit(num_seqs)
+        b = self._buckets.get(self.bucket(num_seqs))
+        if b is None or not b.plain_steps:
+            return slope
+        return slope * (1.0 - self.config.optimism / (1.0 + units))
+
+    def observe_plain(self, num_seqs: int, predicted_s: float, measured_s: float) -> None:
+        """A step without drafts: what the model's level is worth at this batch size right now."""
+        if not (predicted_s > 0 and measured_s > 0):
+            return
+        b = self._buckets.setdefault(self.bucket(num_seqs), _Bucket())
+        weight = max(self.config.plain_smoothing, 1.0 / (b.plain_steps + 1))
+        b.log_plain_ratio += weight * (math.log(measured_s / predicted_s) - b.log_plain_ratio)
+        b.plain_steps += 1
+
+    def observe_drafts(self, num_seqs: int, base_s: float, with_drafts_s: float, measured_s: float) -> None:
+        """A step that carried drafts: base_s / with_drafts_s are the model's predictions without
+        and with them."""
+        b = self._buckets.get(self.bucket(num_seqs))
+        if b is None or not b.plain_steps or not (base_s > 0 and with_drafts_s > base_s and measured_s > 0):
+            return  # no plain baseline yet, or no increment predicted: nothing to learn from
+        x = (with_drafts_s - base_s) / base_s
+        y = measured_s / (math.exp(b.log_plain_ratio) * base_s) - 1.0
+        d = self.config.discount
+        b.sxy = b.sxy * d + x * y
+        b.sxx = b.sxx * d + x * x

@@ -9,6 +9,7 @@ per-step overhead. Goodput is their ratio.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from ..profiler.latency_model import LatencyModel, StepShape
@@ -61,10 +62,20 @@ class StepCostModel:
     base: StepShape  # the step with k = 0 for every decode (prefill chunks included)
     draft_cost: DraftCost = DraftCost()
     overhead_s: float = 0.0  # scheduling, sampling, bookkeeping: paid whatever k is
+    draft_slope: float = 1.0  # what drafts cost relative to the model's increment (planner/drift.py)
+
+    @cached_property
+    def base_seconds(self) -> float:
+        """Forward + verify time of the base step (computed once: the allocator asks many times)."""
+        return self.latency.predict(self.base)
 
     def target_seconds(self, total_drafts: int) -> float:
-        """Forward + verify time predicted by the (drift-corrected) latency model."""
-        return self.latency.predict(with_drafts(self.base, total_drafts))
+        """Forward + verify time predicted by the (drift-corrected) latency model, its increment
+        over the base step scaled by ``draft_slope``."""
+        with_n = self.latency.predict(with_drafts(self.base, total_drafts))
+        if self.draft_slope == 1.0 or total_drafts == 0:
+            return with_n
+        return self.base_seconds + self.draft_slope * (with_n - self.base_seconds)
 
     def seconds(self, ks: Sequence[int]) -> float:
         total = sum(ks)

@@ -61,6 +61,8 @@ class PolicyState:
     overhead_s: float = 0.0  # per-step time outside forward, verify and drafting
     sla_itl_s: float | None = None  # predicted step time must stay under this
     roofline: Roofline | None = None
+    draft_slope: float = 1.0  # drafts' cost relative to the latency model's increment (learned online)
+    explore_slope: float = 1.0  # an optimistic draft_slope while evidence is thin (planner/drift.py)
 
     @property
     def batch_size(self) -> int:
@@ -71,10 +73,12 @@ class PolicyState:
         """The step's shape when it carries ``total_drafts`` drafts in all."""
         return with_drafts(self.base, total_drafts)
 
-    def cost_model(self) -> StepCostModel:
+    def cost_model(self, draft_slope: float | None = None) -> StepCostModel:
+        """The step's cost as a function of its drafts (at the learned slope unless told otherwise)."""
         if self.latency is None:
             raise ValueError("this policy needs a latency model (a profile); none was given to the planner")
-        return StepCostModel(self.latency, self.base, self.draft_cost, self.overhead_s)
+        slope = self.draft_slope if draft_slope is None else draft_slope
+        return StepCostModel(self.latency, self.base, self.draft_cost, self.overhead_s, slope)
 
     def capped(self, k: int) -> list[int]:
         """The same k for every request, within each request's cap."""

@@ -3,7 +3,9 @@
 Everything lives in planner/allocate.py (the greedy marginal-gain allocation under the SLA); this
 file adapts it to the Policy interface. ``min_relative_gain`` is the margin by which speculation
 must beat plain decoding before it is switched on: the latency model and the acceptance
-estimates are not exact, and being slower than ``off`` is the failure users notice.
+estimates are not exact, and being slower than ``off`` is the failure users notice. When the
+choice is off, a cheap exploratory allocation may run instead (``explore_budget``): see
+``DraftSlope`` in planner/drift.py.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..planner.allocate import Allocation, allocate
+from ..planner.goodput import StepCostModel, step_goodput
 from .base import PolicyState
 
 
@@ -20,22 +23,75 @@ class GoodputPolicy:
     min_relative_gain: float = 0.02
     # False for a latency model whose predictions may fall as tokens grow (then every total is tried).
     assume_monotone_latency: bool = True
+    # Exploring when the choice is "off": the optimistic allocation may lose at most this share of
+    # predicted goodput (at the learned draft slope) to find out whether drafts really cost that much.
+    explore_budget: float = 0.05
     requires: ClassVar[frozenset[str]] = frozenset({"latency"})
 
     def __post_init__(self) -> None:
         if self.min_relative_gain < 0:
             raise ValueError(f"min_relative_gain must be >= 0, got {self.min_relative_gain}")
+        if not 0 <= self.explore_budget < 1:
+            raise ValueError(f"explore_budget must be in [0, 1), got {self.explore_budget}")
 
     @property
     def name(self) -> str:
         return "goodput" if self.min_relative_gain == 0.02 else f"goodput:{self.min_relative_gain:g}"
 
+    def _allocate(self, state: PolicyState, cost: StepCostModel) -> Allocation:
+        return allocate([r.acceptance for r in state.requests], [r.max_k for r in state.requests], cost,
+                        sla_itl_s=state.sla_itl_s, min_relative_gain=self.min_relative_gain,
+                        assume_monotone=self.assume_monotone_latency)
+
     def plan(self, state: PolicyState) -> Allocation:
         """The full allocation (predicted goodput and step time too), for reports and tests."""
-        return allocate([r.acceptance for r in state.requests], [r.max_k for r in state.requests],
-                        state.cost_model(), sla_itl_s=state.sla_itl_s,
-                        min_relative_gain=self.min_relative_gain,
-                        assume_monotone=self.assume_monotone_latency)
+        cost = state.cost_model()
+        chosen = self._allocate(state, cost)
+        if chosen.total_drafts or not (self.explore_budget and state.explore_slope < state.draft_slope):
+            return chosen
+        return self._probe(state, cost, chosen) or chosen
+
+    def _probe(self, state: PolicyState, cost: StepCostModel, off: Allocation) -> Allocation | None:
+        """Off at the learned slope; would drafts pay if they cost what the optimistic slope says?
+        Then the largest cut of that optimistic allocation predicted to lose at most the budget at
+        the learned slope: every request's k capped at a depth (deepest first), then at depth 1
+        only the r requests with the best first draft (r found by bisection). The measured step
+        then tells the planner what drafts really cost here."""
+        optimistic = self._allocate(state, state.cost_model(state.explore_slope)).ks
+        if not any(optimistic):
+            return None
+        estimates = [r.acceptance for r in state.requests]
+        floor = (1 - self.explore_budget) * off.goodput
+
+        def judged(ks: tuple[int, ...]) -> Allocation | None:
+            step_s = cost.seconds(ks)
+            if state.sla_itl_s is not None and step_s > state.sla_itl_s:
+                return None
+            goodput = step_goodput(estimates, ks, cost)
+            return Allocation(ks, goodput, step_s, off.off_goodput) if goodput >= floor else None
+
+        for depth in range(max(optimistic), 1, -1):
+            found = judged(tuple(min(k, depth) for k in optimistic))
+            if found:
+                return found
+        # Depth 1: the r best first drafts among the requests the optimistic allocation chose.
+        ranked = sorted((i for i, k in enumerate(optimistic) if k), key=lambda i: -estimates[i].gains[0])
+
+        def first_drafts(r: int) -> tuple[int, ...]:
+            ks = [0] * len(optimistic)
+            for i in ranked[:r]:
+                ks[i] = 1
+            return tuple(ks)
+
+        best, lo, hi = None, 1, len(ranked)  # the loss grows with r: bisect for the largest that fits
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            found = judged(first_drafts(mid))
+            if found:
+                best, lo = found, mid + 1
+            else:
+                hi = mid - 1
+        return best
 
     def choose(self, state: PolicyState) -> list[int]:
         return list(self.plan(state).ks)

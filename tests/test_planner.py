@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from specplan.engine.decider import RequestRecord, RequestView, SpecDecider, StepRecord, StepView
-from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, DriftCorrection, Planner,
+from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, DraftSlopeConfig, DriftCorrection, Planner,
                               PooledAcceptance, RequestAcceptance, StepCostModel, StepTimingLearner, allocate,
                               expected_tokens, step_goodput)
 from specplan.planner.acceptance import ProposerPrior, default_prior
@@ -536,3 +536,89 @@ def test_planner_steers_the_engine_losslessly():
     assert planner.num_decisions > 0 and planner.zero_share < 1.0
     assert llm.engine.stats.num_draft_tokens > 0
     assert planner.drift.samples > 0 and planner.timing is not None and planner.timing.steps > 0
+
+
+# ------------------------------------------------------------------- draft slope (closed loop)
+
+def test_step_cost_model_scales_the_draft_increment_by_the_slope():
+    latency = RidgeLatency(a=0.01, b=0.001)  # 1 ms per query token
+    base = StepShape(4, 4, 400)
+    assert StepCostModel(latency, base).target_seconds(4) == pytest.approx(0.018)
+    half = StepCostModel(latency, base, draft_slope=0.5)
+    assert half.target_seconds(0) == pytest.approx(0.014)
+    assert half.target_seconds(4) == pytest.approx(0.014 + 0.5 * 0.004)
+
+
+def test_draft_slope_learns_what_drafts_really_cost_per_batch_size():
+    from specplan.planner import DraftSlope
+
+    slope = DraftSlope()
+    assert slope.slope(4) == slope.explore_slope(4) == 1.0  # no plain step yet: nothing to probe against
+    slope.observe_drafts(4, base_s=0.02, with_drafts_s=0.025, measured_s=0.03)
+    assert slope.slope(4) == 1.0  # ... nor to learn from
+    slope.observe_plain(4, predicted_s=0.02, measured_s=0.04)
+    assert slope.slope(4) == 1.0 and slope.explore_slope(4) == pytest.approx(0.5)  # optimistic until measured
+    # Plain steps measure 2x the model (a slower machine); drafts: the model says +25%, the
+    # machine shows +5% (slope 0.2), with timing noise.
+    rng = random.Random(3)
+    for _ in range(60):
+        slope.observe_plain(4, predicted_s=0.02, measured_s=0.04 * rng.uniform(0.98, 1.02))
+        slope.observe_drafts(4, base_s=0.02, with_drafts_s=0.025, measured_s=0.042 * rng.uniform(0.98, 1.02))
+    assert slope.slope(4) == pytest.approx(0.2, abs=0.06)
+    assert slope.explore_slope(4) == pytest.approx(slope.slope(4), rel=0.02)  # optimism has faded
+    assert slope.slope(5) == slope.slope(7) == slope.slope(4)  # same bucket (4..7)
+    assert slope.slope(32) == 1.0  # another batch size keeps the profile's slope
+    slope.observe_drafts(4, base_s=0.02, with_drafts_s=0.02, measured_s=0.03)  # no increment: ignored
+    assert slope.slope(4) == pytest.approx(0.2, abs=0.06)
+
+
+@dataclass(frozen=True)
+class _Machine:
+    """The 'real' step time the planner measures: ms per base token and per draft token."""
+
+    base_s: float
+    per_draft_s: float
+
+    def seconds(self, ks: list[int]) -> float:
+        return self.base_s + self.per_draft_s * sum(ks)
+
+
+def _run_planner(planner: Planner, machine: _Machine, alphas: list[float], steps: int, rng) -> list[list[int]]:
+    chosen = []
+    for _ in range(steps):
+        ks = planner.decide(view(len(alphas)))
+        planner.observe(record(ks, alphas, rng, forward_s=machine.seconds(ks)))
+        chosen.append(ks)
+    return chosen
+
+
+def test_planner_learns_that_an_overpriced_draft_is_cheap():
+    """The profile prices a draft at 2.5 ms on a 20 ms step at B=4; the machine charges 0.5 ms. With
+    the n-gram prior (first draft worth 0.3 tokens) speculation pays on the machine but not in the
+    model, so a planner that only trusts the model stays off forever. With the draft slope it
+    probes a few cheap drafts after one plain step, measures, and speculates."""
+    model = RidgeLatency(a=0.02, b=0.0025, ridge_tokens=4)
+    machine = _Machine(0.02, 0.0005)
+    alphas = [0.7] * 4
+    rng = random.Random(5)
+    stuck = Planner("goodput", model, draft_slope=DraftSlopeConfig(optimism=0.0))
+    assert all(ks == [0] * 4 for ks in _run_planner(stuck, machine, alphas, 30, rng))
+    learner = Planner("goodput", model)
+    chosen = _run_planner(learner, machine, alphas, 30, rng)
+    assert chosen[0] == [0] * 4  # plain first: the baseline a probe is measured against
+    assert 1 <= sum(chosen[1]) <= 3  # the probe: as many drafts as the exploration budget allows
+    assert all(min(ks) >= 1 for ks in chosen[-10:])  # then speculating for everyone
+    assert learner.draft_slope.slope(4) == pytest.approx(0.2, abs=0.08)
+
+
+def test_planner_probe_on_a_truly_costly_draft_is_bounded_and_stops():
+    """The same model, but the machine charges more than the model says: the probe's cost is
+    bounded by the exploration budget, and the slope it measures ends exploration."""
+    model = RidgeLatency(a=0.02, b=0.0025, ridge_tokens=4)
+    machine = _Machine(0.02, 0.006)
+    rng = random.Random(6)
+    planner = Planner("goodput", model)
+    chosen = _run_planner(planner, machine, [0.7] * 4, 40, rng)
+    assert 1 <= sum(map(sum, chosen)) <= 4  # one probe of a few drafts, then off for good
+    assert all(ks == [0] * 4 for ks in chosen[-30:])
+    assert planner.draft_slope.slope(4) > 1.5
