@@ -212,6 +212,7 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         p = seq.params
+        check_stop_strings = bool(p.stop) and self.tokenizer is not None
         for n, token in enumerate(new_tokens, start=1):
             seq.token_ids.append(token)
             reason = None
@@ -219,17 +220,19 @@ class LLMEngine:
                 reason, seq.stop_reason = "stop", None
             elif token in p.stop_token_ids:
                 reason, seq.stop_reason = "stop", token
-            if p.stop:
-                seq.text = self.detokenize(seq)
-                hit = _find_stop(seq.text, p.stop)
-                if hit is not None:
-                    seq.text = seq.text[:hit[0]]
-                    reason, seq.stop_reason = "stop", hit[1]
+            if check_stop_strings:
+                seen = len(seq.detok.text)
+                if seq.detok.update(self.tokenizer, seq.output_token_ids, p.skip_special_tokens):
+                    hit = _find_stop(seq.detok.text, p.stop, seen)
+                    if hit is not None:
+                        reason, seq.stop_reason = "stop", hit[1]
             if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
                 reason = "length"
             if reason is not None:
-                if not p.stop:
-                    seq.text = self.detokenize(seq)
+                seq.text = self.detokenize(seq)  # once, in full: the incremental text only finds stops
+                if isinstance(seq.stop_reason, str):  # cut at the stop string (its first occurrence)
+                    text = seq.text if seq.stop_reason in seq.text else seq.detok.text
+                    seq.text = text[:text.find(seq.stop_reason)]
                 seq.finish_time = now
                 self._finish(seq, reason)
                 return n
@@ -265,6 +268,12 @@ class LLMEngine:
                              seq.is_finished, seq.finish_reason, seq.num_preemptions, metrics)
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    hits = [(text.find(s), s) for s in stops if s in text]
+def _find_stop(text: str, stops: tuple[str, ...], seen: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` (position, string). ``text[:seen]`` was searched before,
+    so only a match ending after it can be new: each stop is looked for from seen - len(stop) + 1."""
+    hits = []
+    for s in stops:
+        at = text.find(s, max(0, seen - len(s) + 1))
+        if at >= 0:
+            hits.append((at, s))
     return min(hits) if hits else None

@@ -8,6 +8,7 @@ from enum import Enum, auto
 
 import torch
 
+from .detokenizer import IncrementalDetokenizer
 from .metrics import SpecCounters
 from .sampling import SamplingParams
 
@@ -37,7 +38,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    text: str = ""  # detokenized output, truncated at a stop string
+    text: str = ""  # detokenized output, truncated at a stop string (set when it finishes)
+    detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer)  # for stop strings
     spec: SpecCounters = field(default_factory=SpecCounters)  # this request's speculation counters
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .detokenizer import IncrementalDetokenizer
 from .engine import LLMEngine, RequestError
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -78,10 +79,7 @@ class _Track:
     last_time: float | None = None  # when it last got tokens
     finish_reason: str | None = None
     text: str = ""  # the final text, once finished
-    # Incremental detokenization: decoded text so far, and the token window it was decoded from.
-    decoded: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
+    detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer)  # text decoded so far
     sent_chars: int = 0  # characters already sent as deltas
 
 
@@ -441,28 +439,20 @@ class EngineLoop:
 def _running_delta(track: _Track, tokenizer, out_ids: list[int], params: SamplingParams) -> str:
     """New text of a running sequence that is safe to send now.
 
-    Detokenizes incrementally (a short window of tokens, not the whole output, each step): the
-    text of ``out_ids[prefix_offset:]`` minus that of ``out_ids[prefix_offset:read_offset]``, and
-    waits while the window ends in an incomplete UTF-8 character (decoded as U+FFFD). Then holds
-    back any tail that could be the start of a stop string (the engine cuts the text at a stop
-    string only once it completes).
+    Detokenizes incrementally (engine/detokenizer.py: a short window of tokens each step, waiting
+    while it ends inside a UTF-8 character), then holds back any tail that could be the start of
+    a stop string (the engine cuts the text at a stop string only once it completes).
     """
     if tokenizer is None:
         return ""
-    if len(out_ids) > track.read_offset:
-        skip = params.skip_special_tokens
-        done = tokenizer.decode(out_ids[track.prefix_offset:track.read_offset], skip_special_tokens=skip) \
-            if track.read_offset > track.prefix_offset else ""
-        window = tokenizer.decode(out_ids[track.prefix_offset:], skip_special_tokens=skip)
-        if len(window) > len(done) and not window.endswith("\ufffd"):
-            track.decoded += window[len(done):]
-            track.prefix_offset, track.read_offset = track.read_offset, len(out_ids)
-    end = len(track.decoded)
+    track.detok.update(tokenizer, out_ids, params.skip_special_tokens)
+    decoded = track.detok.text
+    end = len(decoded)
     if params.stop:
-        end -= _stop_prefix_len(track.decoded, params.stop)
+        end -= _stop_prefix_len(decoded, params.stop)
     if end <= track.sent_chars:
         return ""
-    piece = track.decoded[track.sent_chars:end]
+    piece = decoded[track.sent_chars:end]
     track.sent_chars = end
     return piece
 
@@ -470,7 +460,7 @@ def _running_delta(track: _Track, tokenizer, out_ids: list[int], params: Samplin
 def _final_delta(track: _Track) -> str:
     """The rest of a finished sequence's final text (the engine's, cut at a stop string)."""
     final = track.text
-    if final[:track.sent_chars] != track.decoded[:track.sent_chars]:
+    if final[:track.sent_chars] != track.detok.text[:track.sent_chars]:
         logger.debug("incremental detokenization diverged from the final text")
     piece = final[track.sent_chars:]
     track.sent_chars = max(track.sent_chars, len(final))
