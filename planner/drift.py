@@ -64,7 +64,6 @@ class DriftCorrectedLatency:
         return self.inner.predict(shape) * self.drift.factor
 
 
-
 @dataclass(frozen=True)
 class DraftSlopeConfig:
     """How the price of draft tokens is learned (see ``DraftSlope``)."""
@@ -147,10 +146,14 @@ class DraftSlope:
         """The learned slope, made optimistic while evidence is thin; not before a plain step of
         this batch size was seen (a probe could teach nothing without one to compare with)."""
         slope, units = self._fit(num_seqs)
-        b = self._buckets.get(self.bucket(num_seqs))
-        if b is None or not b.plain_steps:
+        if not self.has_baseline(num_seqs):
             return slope
         return slope * (1.0 - self.config.optimism / (1.0 + units))
+
+    def has_baseline(self, num_seqs: int) -> bool:
+        """Whether a plain step of this batch size was seen (what speculative steps are measured against)."""
+        b = self._buckets.get(self.bucket(num_seqs))
+        return b is not None and b.plain_steps > 0
 
     def observe_plain(self, num_seqs: int, predicted_s: float, measured_s: float) -> None:
         """A step without drafts: what the model's level is worth at this batch size right now."""
@@ -164,9 +167,9 @@ class DraftSlope:
     def observe_drafts(self, num_seqs: int, base_s: float, with_drafts_s: float, measured_s: float) -> None:
         """A step that carried drafts: base_s / with_drafts_s are the model's predictions without
         and with them."""
-        b = self._buckets.get(self.bucket(num_seqs))
-        if b is None or not b.plain_steps or not (base_s > 0 and with_drafts_s > base_s and measured_s > 0):
+        if not (self.has_baseline(num_seqs) and base_s > 0 and with_drafts_s > base_s and measured_s > 0):
             return  # no plain baseline yet, or no increment predicted: nothing to learn from
+        b = self._buckets[self.bucket(num_seqs)]
         x = (with_drafts_s - base_s) / base_s
         y = measured_s / (math.exp(b.log_plain_ratio) * base_s) - 1.0
         d = self.config.discount
