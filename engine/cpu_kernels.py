@@ -71,6 +71,7 @@ def _ops_registered() -> bool:
         torch.ops.specplan_attn.paged_attention_cpu  # noqa: B018 -- raises if not registered
         torch.ops.specplan_linear.packed_linear  # noqa: B018
         torch.ops.specplan_ops.silu_mul  # noqa: B018
+        torch.ops.specplan_ops.argmax_rows  # noqa: B018
         return True
     except (AttributeError, RuntimeError):
         return False

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_kernels
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -92,7 +94,7 @@ def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None],
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator) -> torch.Tensor:
     """logits [R, V] -> token ids [R] int64; greedy rows take the argmax."""
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         device = logits.device
@@ -106,3 +108,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         )
         tokens[rows] = sample_from(probs, [generators[i] for i in sampled_rows], default_generator)
     return tokens
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> argmax of each row [R] int64 (ties: lowest id). On CPU in float32 the
+    engine's kernel: several times faster than torch.argmax over a vocabulary-wide row."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and cpu_kernels.load():
+        return torch.ops.specplan_ops.argmax_rows(logits.contiguous())
+    return logits.argmax(dim=-1)

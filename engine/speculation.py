@@ -17,7 +17,7 @@ from .block_manager import BlockManager
 from .decider import RequestView, SpecDecider, StepView
 from .model_runner import ScheduledSeq
 from .proposers.base import DraftTokens, DraftTree, Proposer
-from .sampling import probabilities
+from .sampling import greedy_tokens, probabilities
 from .verify import rejection_sample, verify_greedy, verify_tree
 
 
@@ -144,11 +144,18 @@ def verify(logits: torch.Tensor, items: list[ScheduledSeq], default_generator: t
         return torch.cat(uniform).to(device), expo.to(device)  # [num_uniform], [B, V]
 
     vocab = logits.shape[-1]
+    argmax_cache: list[torch.Tensor] = []
+
+    def argmax_of(idx: list[int]) -> torch.Tensor:  # [rows] int64: one argmax over all rows, then pick
+        if not argmax_cache:
+            argmax_cache.append(greedy_tokens(logits))  # [sum(num_logits)]
+        return argmax_cache[0][rows_of(idx)]
+
     greedy = [i for i in linear if items[i].seq.params.greedy]
     sampled = [i for i in linear if not items[i].seq.params.greedy]
     if greedy:
         draft_ids, cu = drafts_of(greedy)
-        res = greedy_verify(draft_ids, cu, logits[rows_of(greedy)].argmax(dim=-1))
+        res = greedy_verify(draft_ids, cu, argmax_of(greedy))
         for j, (i, toks) in enumerate(zip(greedy, res.token_lists())):
             verdicts[i] = Verdict(toks, len(toks) - 1)
     if sampled:
@@ -172,7 +179,7 @@ def verify(logits: torch.Tensor, items: list[ScheduledSeq], default_generator: t
         parents = torch.tensor(tree.parents, dtype=torch.int64, device=device)
         cu = torch.tensor([0, len(tree.tokens)], dtype=torch.int32, device=device)
         if greedy_tree:
-            res = verify_tree(tokens, parents, cu, logits[rows_of([i])].argmax(dim=-1), greedy=True)
+            res = verify_tree(tokens, parents, cu, argmax_of([i]), greedy=True)
         else:
             uniform, expo = randoms([i], [len(tree.tokens)], vocab)
             res = verify_tree(tokens, parents, cu, target_probs([i]), greedy=False, uniform=uniform,

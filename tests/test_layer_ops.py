@@ -19,7 +19,7 @@ def kernels():
     assert layer_ops_for(torch.device("cpu"), torch.float32) is CpuKernelOps
 
 
-@pytest.mark.parametrize("n,e", [(1, 64), (5, 576), (40, 100)])
+@pytest.mark.parametrize("n,e", [(1, 64), (5, 576), (40, 100), (32, 576), (2, 13)])
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_add_rms_norm(n, e, with_delta):
     g = torch.Generator().manual_seed(n + e)
@@ -68,7 +68,7 @@ def test_rope_write_kv_rejects_bad_slots():
         CpuKernelOps.rope_write_kv(qkv, torch.tensor([4]), cos, sin, k, v, torch.tensor([0]), 1, 1)
 
 
-@pytest.mark.parametrize("n,i", [(1, 1536), (3, 13), (17, 64)])
+@pytest.mark.parametrize("n,i", [(1, 1536), (3, 13), (17, 64), (32, 1536), (2, 40)])
 def test_silu_mul(n, i):
     g = torch.Generator().manual_seed(i)
     gate_up = torch.randn(n, 2 * i, generator=g) * 8  # large |gate| too: exp must not overflow
@@ -80,3 +80,25 @@ def test_silu_mul(n, i):
 
 def test_other_dtypes_use_the_reference():
     assert layer_ops_for(torch.device("cpu"), torch.float64) is TorchLayerOps
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 17), (8, 49152), (33, 1000)])
+def test_greedy_tokens_match_torch_argmax(rows, vocab):
+    from specplan.engine.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=g)
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    ties = torch.randint(0, 3, (rows, vocab), generator=g).float()  # many equal maxima per row
+    assert torch.equal(greedy_tokens(ties), ties.argmax(dim=-1))  # the lowest id wins, as in torch
+
+
+def test_greedy_tokens_edge_rows():
+    from specplan.engine.sampling import greedy_tokens
+
+    x = torch.zeros(4, 100)
+    x[0, 99] = 1.0  # maximum in the scalar tail
+    x[1] = float("-inf")  # every token masked: token 0
+    x[2, 40] = float("nan")  # NaN wins, as in torch
+    x[3, 17] = x[3, 18] = 5.0
+    assert greedy_tokens(x).tolist() == x.argmax(dim=-1).tolist() == [99, 0, 40, 17]

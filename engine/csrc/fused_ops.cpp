@@ -10,9 +10,11 @@
 //       rotates q and k (rotate-half layout) and writes k and v straight into their cache slots;
 //       returns the rotated q. Replaces split + two apply_rope + two index_copy_.
 //   silu_mul(gate_up [N, 2 I]) -> [N, I]:  silu(gate) * up.
+//   argmax_rows(x [R, V]) -> [R] int64:  torch.argmax(x, -1) (greedy tokens from the logits).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/argmax.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Optional.h>
@@ -55,6 +57,28 @@ void check_float_rows(const at::Tensor& t, const char* name) {
               " must be a contiguous float32 [N, width] CPU tensor");
 }
 
+// Sum of x[j]^2 in double: as accurate as torch's cascade sum, whatever the order. Eight
+// independent double lanes: one serial chain over a row would wait on the adder's latency for
+// every element (at 32 rows x 576 that chain, not memory, was the whole cost of the op).
+inline double sum_squares(const float* x, int64_t n) {
+  typedef float F4 __attribute__((vector_size(16)));
+  typedef double D4 __attribute__((vector_size(32)));
+  D4 a0 = {}, a1 = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    F4 lo, hi;
+    std::memcpy(&lo, x + j, sizeof(lo));
+    std::memcpy(&hi, x + j + 4, sizeof(hi));
+    const D4 d0 = __builtin_convertvector(lo, D4), d1 = __builtin_convertvector(hi, D4);
+    a0 += d0 * d0;
+    a1 += d1 * d1;
+  }
+  const D4 a = a0 + a1;
+  double ss = (a[0] + a[1]) + (a[2] + a[3]);
+  for (; j < n; ++j) ss += static_cast<double>(x[j]) * x[j];
+  return ss;
+}
+
 at::Tensor add_rms_norm_(at::Tensor h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
   check_float_rows(h, "h");
   const int64_t N = h.size(0), E = h.size(1);
@@ -77,9 +101,7 @@ at::Tensor add_rms_norm_(at::Tensor h, const c10::optional<at::Tensor>& delta, c
         const float* dr = d + r * E;
         for (int64_t j = 0; j < E; ++j) x[j] += dr[j];
       }
-      // Sum of squares in double: as accurate as torch's cascade sum, whatever the order.
-      double ss = 0;
-      for (int64_t j = 0; j < E; ++j) ss += static_cast<double>(x[j]) * x[j];
+      const double ss = sum_squares(x, E);
       const float inv = 1.0f / std::sqrt(static_cast<float>(ss / E) + static_cast<float>(eps));
       float* o = op + r * E;
       for (int64_t j = 0; j < E; ++j) o[j] = w[j] * (x[j] * inv);
@@ -147,10 +169,13 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, con
 }
 
 // silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) (never overflows):
-// sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0.
-inline F8 silu_times(F8 g, F8 u) {
-  const F8 e = exp_nonpositive(g < 0 ? g : -g);
-  const F8 num = g < 0 ? e : F8{} + 1.0f;
+// sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0. 16 lanes: one AVX-512 register.
+typedef float F16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+
+inline F16 silu_times(F16 g, F16 u) {
+  const F16 e = specplan::exp_nonpositive_v<F16, I16>(g < 0 ? g : -g);
+  const F16 num = g < 0 ? e : F16{} + 1.0f;
   return g * (num / (1.0f + e)) * u;
 }
 
@@ -167,10 +192,73 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* u = g + I;
       float* o = op + r * I;
       int64_t j = 0;
-      for (; j + 8 <= I; j += 8) store8(o + j, silu_times(load8(g + j), load8(u + j)));
+      for (; j + 16 <= I; j += 16) {
+        F16 gv, uv;
+        std::memcpy(&gv, g + j, sizeof(gv));
+        std::memcpy(&uv, u + j, sizeof(uv));
+        const F16 ov = silu_times(gv, uv);
+        std::memcpy(o + j, &ov, sizeof(ov));
+      }
       for (; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
     }
   });
+  return out;
+}
+
+// Row-wise argmax of x [R, V] (greedy decoding over the logits): the first index of the
+// largest value, as torch.argmax. 16 running maxima per row, each lane keeping its first
+// maximum; a row holding NaN falls back to torch (which returns the NaN's index).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_float_rows(x, "x");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "argmax over an empty row");
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  bool saw_nan = false;
+  for_rows(R, V, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xp + r * V;
+      int64_t j = 0, best_j = 0;
+      float best = row[0];
+      if (V >= 16) {
+        const I16 step = I16{} + 16;
+        I16 lane_j = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        F16 vmax;
+        std::memcpy(&vmax, row, sizeof(vmax));
+        I16 imax = lane_j;
+        F16 nan_check = vmax;
+        for (j = 16; j + 16 <= V; j += 16) {
+          lane_j += step;
+          F16 v;
+          std::memcpy(&v, row + j, sizeof(v));
+          const I16 gt = v > vmax;  // strictly greater: each lane keeps its first maximum
+          vmax = gt ? v : vmax;
+          imax = gt ? lane_j : imax;
+          nan_check += v;  // NaN anywhere makes the sum NaN
+        }
+        bool nan = false;
+        for (int l = 0; l < 16; ++l) nan |= nan_check[l] != nan_check[l];
+        if (nan) {
+          saw_nan = true;  // benign race: every writer stores true
+          continue;
+        }
+        best = vmax[0];
+        best_j = imax[0];
+        for (int l = 1; l < 16; ++l)
+          if (vmax[l] > best || (vmax[l] == best && imax[l] < best_j)) best = vmax[l], best_j = imax[l];
+      }
+      for (; j < V; ++j) {
+        if (row[j] != row[j]) {  // NaN wins, as in torch
+          best_j = j;
+          break;
+        }
+        if (row[j] > best) best = row[j], best_j = j;
+      }
+      op[r] = best_j;
+    }
+  });
+  if (saw_nan) return x.argmax(-1);
   return out;
 }
 
@@ -181,10 +269,12 @@ TORCH_LIBRARY(specplan_ops, m) {
   m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int H, int KVH) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specplan_ops, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

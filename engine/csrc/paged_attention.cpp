@@ -22,9 +22,10 @@
 // until each thread has a couple of items. Threads of torch's intra-op pool (at::parallel_for;
 // hence -fopenmp at build time) pull items, costliest first, from a shared counter. Per item and
 // query row: online (streaming) softmax over the key blocks, accumulated in the input precision.
-// float with head_dim 64 or 128 (the common sizes): attend_chunk16, 16 keys per pass in 16-lane
-// vectors with head_dim a compile-time constant. Other float head sizes: explicit SIMD, 4 keys per
-// pass for q.k, a vectorized exp. double: the same loops with libm exp.
+// float with head_dim 64 or 128 (the common sizes): attend_rows16, 16 keys per pass in 16-lane
+// vectors with head_dim a compile-time constant and the G heads of a KV head sharing each load.
+// Other float head sizes: explicit SIMD, 4 keys per pass for q.k, a vectorized exp. double: the
+// same loops with libm exp.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -282,49 +283,91 @@ inline float hsum16(V16 v) {
   return v[0] + v[1];
 }
 
-// One query row (head) q[0:D] against keys k[t * ks], values v[t * vs] for t < n <= 16: the
-// online-softmax update of the row's running maximum m, denominator l and accumulator acc[0:D].
-template <int D>
-inline void attend_chunk16(const float* __restrict q, const float* __restrict k, int64_t ks,
-                           const float* __restrict v, int64_t vs, int n, float scale, float& m, float& l,
-                           float* __restrict acc) {
+// R query rows (the heads of one KV head that see the same keys; row r at q + r * D) against keys
+// k[t * ks] and values v[t * vs] for t < n <= 16: the online-softmax update of each row's running
+// maximum m[r], denominator l[r] and accumulator acc[r * D : (r + 1) * D]. Each key and value
+// vector is loaded once for all R rows (GQA: the heads sharing a KV head are read together), and
+// each q.k sum runs in two independent chains.
+template <int D, int R>
+inline void attend_rows16(const float* __restrict q, const float* __restrict k, int64_t ks,
+                          const float* __restrict v, int64_t vs, int n, float scale, float* __restrict m,
+                          float* __restrict l, float* __restrict acc) {
   constexpr int C = D / 16;  // vectors per head
-  V16 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c) * scale;
-  V16 partial[16];
-  for (int t = 0; t < 16; ++t) {
-    V16 sum = {};
-    if (t < n) {
-      const float* kt = k + t * ks;
-      for (int c = 0; c < C; ++c) sum += qv[c] * load16(kt + 16 * c);
+  V16 scores[R];
+  {
+    V16 qv[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) qv[r][c] = load16(q + r * D + 16 * c) * scale;
+    V16 partial[R][16];
+    for (int t = 0; t < 16; ++t) {
+      if (t < n) {
+        const float* kt = k + t * ks;
+        V16 kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = load16(kt + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          V16 even = qv[r][0] * kv[0], odd = qv[r][1] * kv[1];
+          for (int c = 2; c < C; c += 2) {
+            even += qv[r][c] * kv[c];
+            odd += qv[r][c + 1] * kv[c + 1];
+          }
+          partial[r][t] = even + odd;
+        }
+      } else {
+        for (int r = 0; r < R; ++r) partial[r][t] = V16{};
+      }
     }
-    partial[t] = sum;
+    for (int r = 0; r < R; ++r) scores[r] = transpose_sum16(partial[r]);  // lane t: q_r . k_t * scale
   }
-  V16 scores = transpose_sum16(partial);  // lane t: q . k_t * scale
   if (n < 16) {
     const VI16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const V16 neg_inf = V16{} - std::numeric_limits<float>::infinity();
-    scores = lane < n ? scores : neg_inf;
+    for (int r = 0; r < R; ++r) scores[r] = lane < n ? scores[r] : neg_inf;
   }
-  V16 a[C];
-  for (int c = 0; c < C; ++c) a[c] = load16(acc + 16 * c);
-  const float mx = hmax16(scores);
-  if (mx > m) {
-    if (m != -std::numeric_limits<float>::infinity()) {  // rescale what was summed under the old maximum
-      const float alpha = std::exp(m - mx);
-      l *= alpha;
-      for (int c = 0; c < C; ++c) a[c] *= alpha;
+  alignas(64) float p[R][16];  // softmax numerators, read back one broadcast lane at a time
+  float alpha[R];  // rescales what row r summed under its old maximum (1: no new maximum)
+  for (int r = 0; r < R; ++r) {
+    const float mx = hmax16(scores[r]);
+    alpha[r] = 1.0f;
+    if (mx > m[r]) {
+      if (m[r] != -std::numeric_limits<float>::infinity()) alpha[r] = std::exp(m[r] - mx);
+      m[r] = mx;
     }
-    m = mx;
+    const V16 e = specplan::exp_nonpositive_v<V16, VI16>(scores[r] - m[r]);  // padded lanes: 0
+    l[r] = l[r] * alpha[r] + hsum16(e);
+    *reinterpret_cast<V16*>(p[r]) = e;
   }
-  const V16 p = specplan::exp_nonpositive_v<V16, VI16>(scores - m);  // padded lanes: exp(-inf) = 0
-  l += hsum16(p);
+  V16 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = load16(acc + r * D + 16 * c) * alpha[r];
   for (int t = 0; t < n; ++t) {
-    const V16 pt = V16{} + p[t];
     const float* vt = v + t * vs;
-    for (int c = 0; c < C; ++c) a[c] += pt * load16(vt + 16 * c);
+    V16 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vt + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const V16 pt = V16{} + p[r][t];
+      for (int c = 0; c < C; ++c) a[r][c] += pt * vv[c];
+    }
   }
-  for (int c = 0; c < C; ++c) *reinterpret_cast<V16*>(acc + 16 * c) = a[c];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) *reinterpret_cast<V16*>(acc + r * D + 16 * c) = a[r][c];
+}
+
+// attend_rows16 for g rows, in groups of at most 16 / (D / 16) rows (the accumulators of a group
+// stay in registers: 4 rows at head_dim 64, 2 at 128).
+template <int D>
+inline void attend_heads16(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int n,
+                           float scale, float* m, float* l, float* acc, int64_t g) {
+  constexpr int64_t kMaxRows = D <= 64 ? 4 : 2;
+  for (int64_t r = 0; r < g; r += kMaxRows) {
+    const float* qr = q + r * D;
+    float* ar = acc + r * D;
+    switch (std::min(g - r, kMaxRows)) {
+      case 1: attend_rows16<D, 1>(qr, k, ks, v, vs, n, scale, m + r, l + r, ar); break;
+      case 2: attend_rows16<D, 2>(qr, k, ks, v, vs, n, scale, m + r, l + r, ar); break;
+      case 3: attend_rows16<D, 3>(qr, k, ks, v, vs, n, scale, m + r, l + r, ar); break;
+      default: attend_rows16<D, kMaxRows>(qr, k, ks, v, vs, n, scale, m + r, l + r, ar); break;
+    }
+  }
 }
 #endif
 
@@ -364,7 +407,7 @@ struct Args {
   int64_t window;
 };
 
-// FastD > 0: float with head_dim FastD, through attend_chunk16; 0: the generic loops.
+// FastD > 0: float with head_dim FastD, through attend_heads16; 0: the generic loops.
 template <typename T, int FastD>
 void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
   const int64_t G = a.G, D = a.D, bs = a.block_size;
@@ -403,22 +446,21 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
   // Blocks are scattered in memory, so the hardware prefetcher cannot run ahead across them: fetch
   // the keys and values kPrefetchBlocks blocks ahead of the one being read (the first ones at once).
   const int64_t first_blk = jmax > jmin ? jmin / bs : 0;
-  auto prefetch_block = [&](int64_t blk) {
+  auto prefetch_block = [&](int64_t blk, int64_t kv) {
     const int64_t j = blk * bs;
     if (j >= jmax) return;
     const int64_t phys = table[blk], n = std::min(bs, jmax - j);
-    for (int64_t kv = it.kv_begin; kv < it.kv_end; ++kv) {
-      prefetch_rows(a.k + phys * a.sk0 + kv * a.sk2, a.sk1, n, D);
-      prefetch_rows(a.v + phys * a.sv0 + kv * a.sv2, a.sv1, n, D);
-    }
+    prefetch_rows(a.k + phys * a.sk0 + kv * a.sk2, a.sk1, n, D);
+    prefetch_rows(a.v + phys * a.sv0 + kv * a.sv2, a.sv1, n, D);
   };
-  for (int64_t d = 1; d < kPrefetchBlocks; ++d) prefetch_block(first_blk + d);
+  for (int64_t d = 1; d < kPrefetchBlocks; ++d)
+    for (int64_t kv = it.kv_begin; kv < it.kv_end; ++kv) prefetch_block(first_blk + d, kv);
   for (int64_t blk = first_blk; blk * bs < jmax; ++blk) {
     const int64_t j0 = blk * bs;
     const int64_t j1 = std::min(j0 + bs, jmax);
     const int64_t phys = table[blk];
-    prefetch_block(blk + kPrefetchBlocks);
     for (int64_t kv = it.kv_begin; kv < it.kv_end; ++kv) {
+      prefetch_block(blk + kPrefetchBlocks, kv);  // spread over the block's work, not all at once
       const T* kb = a.k + phys * a.sk0 + kv * a.sk2;
       const T* vb = a.v + phys * a.sv0 + kv * a.sv2;
       for (int64_t i = 0; i < ntok; ++i) {
@@ -431,13 +473,10 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
         const T* v0 = vb + (ta - j0) * a.sv1;
 #ifdef SPECPLAN_HAVE_SHUFFLEVECTOR
         if constexpr (FastD > 0) {
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t r = r0 + g;
-            for (int64_t t = 0; t < nt; t += 16)
-              attend_chunk16<FastD>(qi + g * D, k0 + t * a.sk1, a.sk1, v0 + t * a.sv1, a.sv1,
-                                    static_cast<int>(std::min<int64_t>(16, nt - t)), a.scale, s.m[r], s.l[r],
-                                    s.acc.data() + r * D);
-          }
+          for (int64_t t = 0; t < nt; t += 16)
+            attend_heads16<FastD>(qi, k0 + t * a.sk1, a.sk1, v0 + t * a.sv1, a.sv1,
+                                  static_cast<int>(std::min<int64_t>(16, nt - t)), a.scale, s.m.data() + r0,
+                                  s.l.data() + r0, s.acc.data() + r0 * D, G);
           continue;
         }
 #endif

@@ -24,7 +24,7 @@ import torch
 from ..block_manager import BlockManager
 from ..model import Model
 from ..model_runner import ModelRunner, ScheduledSeq
-from ..sampling import probabilities, sample_from
+from ..sampling import greedy_tokens, probabilities, sample_from
 from ..sequence import Sequence
 from .base import DraftTokens
 
@@ -85,7 +85,7 @@ class DraftModelProposer:
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
         """Greedy rows take the argmax; sampled rows sample from q with the request's own settings."""
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
         if not sampled:
             return tokens.tolist(), None
