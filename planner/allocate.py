@@ -1,7 +1,7 @@
 """Choose k per request to maximise predicted step goodput, under an optional ITL SLA.
 
 Greedy by marginal gain, one draft at a time: the j-th draft of request i adds
-``g_ij = P(len_i >= j) * alpha_i^j`` expected tokens, and the step's cost depends only on how many
+``g_ij = P(len_i >= j) * alpha_first_i * alpha_i^(j-1)`` expected tokens, and the step's cost depends only on how many
 drafts it carries in total (plus, for a draft model, the deepest k). Each request's gains are
 non-increasing in j (a product of probabilities), so handing drafts out one at a time to the
 request with the largest next gain — what a heap over requests does — visits exactly the gains in

@@ -28,7 +28,9 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def expected_tokens_with_shortfall(estimate: AcceptanceEstimate, k: int) -> float:
-    """E with proposals that may be shorter than k: 1 + sum_{j<=k} P(len >= j) * alpha^j."""
+    """E with proposals that may be shorter than k and a first draft accepted at its own rate:
+    1 + sum_{j<=k} P(len >= j) * alpha_first * alpha^(j - 1) (= E(alpha, k) when alpha_first = alpha
+    and every proposal is full)."""
     return estimate.expected_emitted(k)
 
 
