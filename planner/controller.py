@@ -201,12 +201,18 @@ class Planner:
         model = self.latency.inner
         drafts = min(drafts, record.num_tokens - record.num_seqs)
         num_decodes = len(record.requests)
+        # The slope compares decode steps of one batch size with each other: a step that also
+        # (or only) prefills is another regime, e.g. a 400-token prompt at B = 1 would become the
+        # plain baseline its next decode steps are measured against.
+        decode_only = num_decodes > 0 and record.num_prefill_tokens == 0
         if drafts <= 0:
             predicted = model.predict(shape)
             self.drift.update(predicted, measured)
-            self.draft_slope.observe_plain(num_decodes, predicted, measured)
+            if decode_only:
+                self.draft_slope.observe_plain(num_decodes, predicted, measured)
             return
         base_s = model.predict(StepShape(record.num_seqs, record.num_tokens - drafts, record.context_tokens - drafts))
         with_drafts_s = model.predict(shape)
         self.drift.update(base_s + self.draft_slope.slope(num_decodes) * (with_drafts_s - base_s), measured)
-        self.draft_slope.observe_drafts(num_decodes, base_s, with_drafts_s, measured)
+        if decode_only:
+            self.draft_slope.observe_drafts(num_decodes, base_s, with_drafts_s, measured)

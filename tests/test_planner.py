@@ -629,6 +629,25 @@ def _run_planner(planner: Planner, machine: _Machine, alphas: list[float], steps
     return chosen
 
 
+def test_prefill_steps_are_no_baseline_for_the_draft_slope():
+    """A B = 1 request's prompt step (prefill only, no decodes) is a different regime: measured
+    against it, the first speculative step would look 4x costlier than the model says, and the
+    slope would stick at its cap (seen on XSum at B = 1)."""
+    model = RidgeLatency(a=0.02, b=0.0025, ridge_tokens=4)
+    planner = Planner("goodput", model)
+    rng = random.Random(2)
+    prompt = StepRecord((), 1, 400, 400, 0, 0.0, 0.9, 0.0, 0.9)  # 400 prompt tokens, slow
+    planner.observe(prompt)
+    assert not planner.draft_slope.has_baseline(1)
+    mixed = record([0], [0.7], rng, forward_s=0.5, num_prefill=300)  # a decode riding a prefill chunk
+    planner.observe(mixed)
+    assert not planner.draft_slope.has_baseline(1)
+    planner.observe(record([0], [0.7], rng, forward_s=0.02))  # a plain decode step: the baseline
+    assert planner.draft_slope.has_baseline(1)
+    planner.observe(record([6], [0.7], rng, forward_s=0.0205))
+    assert planner.draft_slope.slope(1) < 0.5  # the model prices 6 drafts at +7.5 ms; +0.5 measured
+
+
 def test_planner_learns_that_an_overpriced_draft_is_cheap():
     """The profile prices a draft at 2.5 ms on a 20 ms step at B=4; the machine charges 0.5 ms. With
     the n-gram prior (first draft worth 0.3 tokens) speculation pays on the machine but not in the
