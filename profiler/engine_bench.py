@@ -1,10 +1,11 @@
 """`specplan bench engine`: specplan's step time against Hugging Face transformers and the
 roofline floor, measured side by side in one run, plus single-stream generation.
 
-For every cell (B sequences verifying T tokens each over ~256 tokens of context) both engines
-run the same shape alternately, so drift on a shared machine hits both alike; the report shows
-medians and ratios. The floor of a cell is the roofline time of its analytic cost
-(max(FLOPs / peak, bytes / bandwidth)) with the ceilings measured in the same run.
+For every batch size B (B sequences verifying T tokens each over ~256 tokens of context) both
+engines run every width T in turn, repeat after repeat, so drift on a shared machine hits both
+engines and all widths alike; the report shows medians and ratios. The floor of a cell is the
+roofline time of its analytic cost (max(FLOPs / peak, bytes / bandwidth)) with the ceilings
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -90,28 +91,33 @@ def run_step_grid(loaded: LoadedModel, hf_model, ceilings: Ceilings, batch_sizes
     theirs = HFStepTimer(hf_model) if hf_model is not None else None
     rows = []
     with Progress(disable=not progress) as bar:
-        task = bar.add_task("step grid", total=len(batch_sizes) * len(tokens_per_seq))
+        task = bar.add_task("step grid", total=len(batch_sizes) * len(tokens_per_seq) * repeats)
         for b in batch_sizes:
             ours.fill(b, context)
             if theirs is not None:
                 theirs.fill(b, context)
             for t in tokens_per_seq:
-                ours.time_steps(t, repeats=1, warmup=1)  # warm this width
-                spec_s, hf_s = [], []
-                for _ in range(repeats):  # alternate the engines so drift hits both alike
-                    spec_s += ours.time_steps(t, repeats=1, warmup=0).total_seconds
+                ours.time_steps(t, repeats=1, warmup=1)  # warm every width
+            spec_s: dict[int, list[float]] = {t: [] for t in tokens_per_seq}
+            hf_s: dict[int, list[float]] = {t: [] for t in tokens_per_seq}
+            # Widths and engines alternate within each repeat, so drift on a shared machine hits
+            # every cell of this batch size alike (the T=8 target is a ratio of two of them).
+            for _ in range(repeats):
+                for t in tokens_per_seq:
+                    spec_s[t] += ours.time_steps(t, repeats=1, warmup=0).total_seconds
                     if theirs is not None:
-                        hf_s.append(theirs.time_step(t))
+                        hf_s[t].append(theirs.time_step(t))
+                    bar.advance(task)
+            for t in tokens_per_seq:
                 cost = decode_step_cost(loaded.config, b, t, context)
                 rows.append({
                     "batch_size": b, "tokens_per_seq": t, "tokens": b * t, "context": context,
-                    "specplan_ms": 1e3 * statistics.median(spec_s),
-                    "hf_ms": 1e3 * statistics.median(hf_s) if hf_s else float("nan"),
+                    "specplan_ms": 1e3 * statistics.median(spec_s[t]),
+                    "hf_ms": 1e3 * statistics.median(hf_s[t]) if hf_s[t] else float("nan"),
                     "floor_ms": 1e3 * cost.roofline_seconds(ceilings.peak_flops, ceilings.bandwidth),
                     "intensity": cost.intensity, "bound": cost.bound(ceilings.ridge),
-                    "specplan_all_ms": [1e3 * s for s in spec_s], "hf_all_ms": [1e3 * s for s in hf_s],
+                    "specplan_all_ms": [1e3 * x for x in spec_s[t]], "hf_all_ms": [1e3 * x for x in hf_s[t]],
                 })
-                bar.advance(task)
     ours.clear()
     return pd.DataFrame(rows)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import torch
+from conftest import loaded_from_hf, tiny_hf_model
 
 from specplan.profiler.ceilings import Ceilings, measure_bandwidth
-from specplan.profiler.engine_bench import render_engine_report
+from specplan.profiler.engine_bench import render_engine_report, run_step_grid
 
 
 def _grid(b1t1_ms: float, b1t8_ms: float) -> pd.DataFrame:
@@ -36,3 +38,14 @@ def test_report_checks_each_target(tmp_path):
 def test_bandwidth_is_positive_and_plausible():
     bw = measure_bandwidth(megabytes=64, repeats=3)
     assert 1e9 < bw < 1e13  # between 1 GB/s and 10 TB/s
+
+
+def test_step_grid_times_every_width_of_every_batch_size():
+    ceilings = Ceilings(peak_flops=2e11, bandwidth=3e10, device="cpu", dtype="float32", threads=2)
+    hf = tiny_hf_model("llama", dtype=torch.float32)
+    grid = run_step_grid(loaded_from_hf(hf), hf, ceilings, batch_sizes=(1, 3), tokens_per_seq=(1, 4), context=20,
+                         repeats=3, progress=False)
+    assert sorted(zip(grid.batch_size, grid.tokens_per_seq)) == [(1, 1), (1, 4), (3, 1), (3, 4)]
+    assert all(len(ours) == 3 and len(theirs) == 3 for ours, theirs in zip(grid.specplan_all_ms, grid.hf_all_ms))
+    assert (grid.specplan_ms > 0).all() and (grid.hf_ms > 0).all() and (grid.floor_ms > 0).all()
+    assert (grid.tokens == grid.batch_size * grid.tokens_per_seq).all()
