@@ -21,6 +21,9 @@ class RequestView:
     num_output_tokens: int
     max_k: int  # the most drafts worth verifying (bounded by max_tokens, context and the engine's k cap)
     greedy: bool
+    # Drafts the proposer already has for this request this step (a lookup proposer is asked
+    # before the decision: it costs next to nothing); None when unknown until k is chosen.
+    available_drafts: int | None = None
 
 
 @dataclass(frozen=True)

@@ -47,15 +47,24 @@ class Speculator:
         self.block_manager = block_manager
 
     def plan(self, ready: list[ScheduledSeq], view_extra: dict, budget: int, max_model_len: int) -> Proposal:
-        """Decide k per decode-ready sequence, reserve lookahead slots, propose drafts."""
+        """Decide k per decode-ready sequence, reserve lookahead slots, propose drafts.
+
+        A proposer whose shorter answers are prefixes of its longer ones (n-gram lookup) is asked
+        first, for each sequence's cap: the decider then sees how many drafts each request
+        really has, and k never exceeds it."""
         seqs = [w.seq for w in ready]
         caps = []
         for s in seqs:
             remaining = min(s.params.max_tokens - s.num_output_tokens, max_model_len - s.num_tokens)
             caps.append(max(0, min(self.max_k, remaining - 1)))  # k drafts emit at most k + 1 tokens
+        up_front = getattr(self.proposer, "proposes_prefixes", False)
+        ahead = self.proposer.propose(seqs, caps) if up_front and any(caps) else None
+        if ahead is not None:
+            caps = [min(cap, ahead.num_drafts(i)) for i, cap in enumerate(caps)]
         view = StepView(
             requests=tuple(RequestView(s.seq_id, s.request_id, s.num_tokens, s.num_output_tokens, cap,
-                                       s.params.greedy) for s, cap in zip(seqs, caps)),
+                                       s.params.greedy, cap if up_front else None)
+                           for s, cap in zip(seqs, caps)),
             proposer=self.proposer.name, **view_extra)
         t0 = time.perf_counter()
         asked = self.decider.decide(view)
@@ -70,7 +79,13 @@ class Speculator:
                 want -= 1
             budget -= want
             k.append(want)
-        drafts = self.proposer.propose(seqs, k) if any(k) else None
+        if not any(k):
+            drafts = None
+        elif ahead is not None:
+            drafts = DraftTokens([t[:ki] for t, ki in zip(ahead.token_ids, k)], natural_k=ahead.natural_k,
+                                 seconds=ahead.seconds)
+        else:
+            drafts = self.proposer.propose(seqs, k)
         return Proposal(k, drafts, decide_s)
 
     @staticmethod

@@ -69,6 +69,12 @@ class AcceptanceEstimate:
         """E[tokens emitted] with k drafts asked: 1 + sum_j P(len >= j) * alpha_first * alpha^(j - 1)."""
         return 1.0 + sum(self.marginal_gains(k))
 
+    def given_available(self, n: int) -> "AcceptanceEstimate":
+        """The same acceptance for a step where the proposer is known to have exactly n drafts
+        (proposed before the decision): P(len >= j) is 1 up to n and 0 after."""
+        n = max(0, min(n, self.max_k))
+        return AcceptanceEstimate(self.alpha, (1.0,) * n + (0.0,) * (self.max_k - n), self.alpha_first)
+
     @property
     def expected_proposal_length(self) -> float:
         """E[min(proposal length, max_k)]: how many drafts a request asking max_k would really get."""

@@ -152,8 +152,12 @@ class Planner:
             t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
             t.last_seen_step = step
             acc = t.acceptance
+            estimate = acc.estimate()
+            available = getattr(rv, "available_drafts", None)  # proposed before deciding (n-gram)
+            if available is not None:
+                estimate = estimate.given_available(available)
             reqs.append(RequestState(rv.seq_id, rv.request_id, max(0, min(rv.max_k, planner_cap)), rv.num_tokens,
-                                     acc.estimate(), t.last_outcome, acc.steps_observed, rv.greedy))
+                                     estimate, t.last_outcome, acc.steps_observed, rv.greedy))
         num_decodes = len(reqs)
         base = StepShape(num_decodes + view.num_prefill_seqs, num_decodes + view.num_prefill_tokens,
                          view.context_tokens)

@@ -134,6 +134,24 @@ def test_first_draft_priced_apart_from_later_drafts():
     assert deep.ks == (8,) and deep.goodput == pytest.approx(brute_force([split], [8], cost))
 
 
+def test_drafts_known_before_deciding_replace_the_learned_lengths():
+    # Learned: proposals are rare (P(len >= 1) = 0.2), so a first draft is worth 0.2 * 0.5 = 0.1
+    # tokens. Known this step: request 0 has 3 drafts (worth 0.5, 0.35, 0.245), request 1 none.
+    rare = AcceptanceEstimate(0.7, (0.2,) * 8, alpha_first=0.5)
+    assert rare.given_available(3).p_len_ge == (1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert rare.given_available(3).gains[:4] == pytest.approx((0.5, 0.35, 0.245, 0.0))
+    cost = cost_for(RidgeLatency(a=1.0, b=0.2, ridge_tokens=2), 2, context=0)
+    assert allocate([rare, rare], [8, 8], cost).ks == (0, 0)  # 0.1 tokens for 0.2 s: off
+    known = allocate([rare.given_available(3), rare.given_available(0)], [3, 0], cost)
+    assert known.ks == (1, 0)  # 2.5 / 1.2 = 2.08 beats off (2.0) and two drafts (2.85 / 1.4 = 2.04)
+    # The planner applies what the engine shows.
+    planner = Planner("goodput", RidgeLatency(a=1.0, b=0.2, ridge_tokens=2))
+    shown = StepView((RequestView(0, "r0", 0, 0, 3, True, 3), RequestView(1, "r1", 0, 0, 0, True, 0)), 0, 0, 0,
+                     "ngram")
+    planner.decide(shown)
+    assert [r.acceptance.p_len_ge[:4] for r in planner.last_state.requests] == [(1.0, 1.0, 1.0, 0.0), (0.0,) * 4]
+
+
 def test_compute_bound_turns_speculation_off():
     # Every query token costs the same: a draft adds < 1 expected token for a full token's time.
     many = [est(a) for a in (0.95, 0.9, 0.8, 0.6, 0.3, 0.99, 0.7, 0.5)]

@@ -98,6 +98,38 @@ def test_mixed_k_with_preemption_is_lossless(model, baseline, proposer):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+class AsksForEight(PerRequestK):
+    """Always asks for 8 drafts; keeps the views too."""
+
+    def __init__(self):
+        super().__init__()
+        self.views: list[StepView] = []
+
+    def decide(self, view: StepView) -> list[int]:
+        self.views.append(view)
+        return [8] * len(view.requests)
+
+
+@pytest.mark.parametrize("proposer,up_front", [("ngram", True), ("suffix", False)])
+def test_lookup_drafts_are_shown_to_the_decider_before_it_decides(model, baseline, proposer, up_front):
+    prompts, expected = baseline
+    decider = AsksForEight()
+    llm = tiny_llm(model, speculative_config={"proposer": proposer, "k": 8}, decider=decider)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, **GREEDY))
+    assert [o.token_ids for o in outs] == expected
+    shown = [r.available_drafts for v in decider.views for r in v.requests]
+    if not up_front:  # a tree proposer is asked after the decision, as before
+        assert set(shown) == {None}
+        return
+    assert None not in shown and 0 in shown and max(shown) > 0  # some requests had no match
+    decode_steps = [rec for rec in decider.records if rec.requests]  # prefill-only steps are not decided
+    assert len(decode_steps) == len(decider.views)
+    for view, rec in zip(decider.views, decode_steps):
+        for rv, rr in zip(view.requests, rec.requests):
+            assert rv.max_k <= rv.available_drafts  # the cap says what exists
+            assert rr.k <= rv.available_drafts and rr.num_proposed == rr.k  # asked no more than there was
+
+
 def test_stop_inside_accepted_run_truncates(model):
     prompt = repetitive_prompts(model.config.vocab_size, n=1, seed=9)[0]
     plain = tiny_llm(model).generate(prompt, SamplingParams(max_tokens=40, **GREEDY))[0].token_ids

@@ -64,6 +64,10 @@ class DraftTokens:
 
 @runtime_checkable
 class Proposer(Protocol):
+    """``proposes_prefixes`` (optional, default False): asking for fewer tokens returns a prefix
+    of the longer answer, and proposing costs next to nothing (n-gram lookup). The engine then
+    proposes before k is decided and shows the decider how many drafts each request has."""
+
     name: str
 
     def propose(self, seqs: list[Sequence], k: list[int]) -> DraftTokens:

@@ -70,6 +70,7 @@ class NgramProposer:
     """Prompt lookup decoding (n-gram matching over the request's own prompt and output)."""
 
     name = "ngram"
+    proposes_prefixes = True  # t[e:e+k] is a prefix of t[e:e+k'] for k <= k'; a lookup is ~free
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_natural_k: int = 8):
         if min_n < 1 or max_n < min_n:
