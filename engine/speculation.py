@@ -1,5 +1,7 @@
 """Speculation inside one engine step: ask the decider for k, reserve lookahead slots, propose,
-then verify the target's logits for every sequence that samples this step.
+then verify the target's logits for every sequence that samples this step. (A lookup proposer
+whose shorter answers are prefixes of its longer ones proposes first, so the decider sees what
+exists.)
 
 Every sampling sequence goes through verification, with or without drafts: a request with no
 drafts (k = 0) is verification with zero drafts, whose output is the bonus token (the argmax when
