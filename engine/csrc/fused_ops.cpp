@@ -20,6 +20,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -215,7 +216,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  bool saw_nan = false;
+  std::atomic<bool> saw_nan{false};  // set by any thread that meets a NaN row
   for_rows(R, V, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = xp + r * V;
@@ -240,7 +241,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
         bool nan = false;
         for (int l = 0; l < 16; ++l) nan |= nan_check[l] != nan_check[l];
         if (nan) {
-          saw_nan = true;  // benign race: every writer stores true
+          saw_nan.store(true, std::memory_order_relaxed);
           continue;
         }
         best = vmax[0];
@@ -258,7 +259,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
       op[r] = best_j;
     }
   });
-  if (saw_nan) return x.argmax(-1);
+  if (saw_nan.load()) return x.argmax(-1);
   return out;
 }
 
