@@ -313,6 +313,7 @@ def evaluate_cmd(
     policies: Annotated[str, typer.Option(help="Planner policies compared with every static k.")] = "batch_table,heuristic,roofline,goodput",
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
     repeats: Annotated[int, typer.Option(help="Runs per cell, deciders interleaved; the report shows medians.")] = 3,
+    min_requests: Annotated[int, typer.Option(help="Requests per cell at least (run at concurrency B).")] = 4,
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached or a fresh quick one).")] = None,
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
 ) -> None:
@@ -333,7 +334,8 @@ def evaluate_cmd(
         fail(str(e))
     frames = [evaluate(loaded, prof, proposer=p, workloads=tuple(workloads.split(",")),
                        batch_sizes=tuple(int(b) for b in batch_sizes.split(",")),
-                       policies=tuple(policies.split(",")), max_tokens=max_tokens, repeats=repeats)
+                       policies=tuple(policies.split(",")), max_tokens=max_tokens, repeats=repeats,
+                       min_requests=min_requests)
               for p in proposers.split(",")]
     path = render_evaluation(pd.concat(frames, ignore_index=True), out,
                              "specplan " + shlex.join(sys.argv[1:]))

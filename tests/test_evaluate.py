@@ -8,7 +8,7 @@ import torch
 
 from conftest import loaded_from_hf, tiny_hf_model
 from specplan.engine.decider import FixedDecider
-from specplan.evaluate import _engine, render_evaluation, run_cell, summarize
+from specplan.evaluate import _engine, paired_ratios, render_evaluation, run_cell, summarize
 
 
 def synthetic_results() -> pd.DataFrame:
@@ -53,6 +53,11 @@ def test_cells_are_lossless_across_deciders():
     a = run_cell(engine, prompts, FixedDecider(0), max_tokens=12)
     b = run_cell(engine, prompts, FixedDecider(4), max_tokens=12)
     assert a["outputs"] == b["outputs"] and a["output_tokens"] == 48
+    running = []
+    step = engine.step
+    engine.step = lambda: (running.append(len(engine.scheduler.running)), step())[1]
+    c = run_cell(engine, prompts, FixedDecider(2), max_tokens=12, concurrency=2)  # closed loop at B = 2
+    assert c["outputs"] == a["outputs"] and max(running) == 2
     assert a["k_zero_share"] == 1.0 and b["mean_k"] > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -74,6 +79,36 @@ def test_evaluate_reports_medians_of_interleaved_repeats(monkeypatch):
     df = ev.evaluate(loaded, profile=None, workloads=("w",), batch_sizes=(1, 2), static_ks=(0, 3),
                      policies=("goodput",), max_tokens=6, repeats=3, progress=False)
     assert len(df) == 2 * 3 and set(df.repeats) == {3}
+    assert set(df.requests) == {4}  # min_requests: B = 1 and B = 2 both run 4 requests
     assert df.lossless.all()
     row = df.iloc[0]
     assert row.goodput == sorted(row.goodput_all)[1]  # the median of three
+
+
+def test_paired_ratios_worked_example():
+    runs = {"static:0": [10, 12, 11], "static:2": [13, 12, 14], "goodput": [13, 13, 12]}
+    vs_off, vs_best = paired_ratios(runs, "goodput")
+    assert vs_off == pytest.approx(12 / 11)
+    assert vs_best == pytest.approx(1.0)
+
+
+def test_paired_best_static_is_chosen_on_held_out_repeats():
+    # Two statics with equal truth, each lucky once: the best of the per-repeat maxima would make an
+    # equally good policy look 17% slower; held-out choice does not reward the lucky run.
+    runs = {"static:0": [10, 10, 10], "static:1": [12, 10, 10], "static:2": [10, 12, 10],
+            "goodput": [10, 10, 10]}
+    _, vs_best = paired_ratios(runs, "goodput")
+    assert vs_best == pytest.approx(1.0)
+    # a policy truly slower than one static k still fails, by that much
+    runs = {"static:0": [10, 10, 11], "static:3": [13, 13, 13], "goodput": [12, 12, 12]}
+    assert paired_ratios(runs, "goodput")[1] == pytest.approx(12 / 13)
+
+
+def test_summary_pairs_repeats_per_cell():
+    df = synthetic_results()
+    df["goodput_all"] = df["goodput"].apply(lambda g: [g * 1.1, g, g * 0.9])  # one slow spell hits all alike
+    g = summarize(df)["ngram"]["policies"]["goodput"]
+    assert g["paired_min_vs_best_static"] == pytest.approx(0.99)
+    assert g["paired_min_vs_off"] == pytest.approx(0.99)
+    assert g["pass_per_cell_paired"]
+    assert set(g["paired_per_cell"]) == {"w/B=1", "w/B=32"}
