@@ -6,10 +6,11 @@ block tables, handles GQA by processing the G query heads of one KV head togethe
 K/V), and keeps a streaming softmax per query row. Threads come from torch's intra-op pool.
 
 Semantics equal ``paged_attention(q, k_cache, v_cache, AttentionPlan.build(batch, block_size,
-H // KVH, sliding_window), scale)`` up to rounding (float32 or float64) for batches WITHOUT tree
-masks. Tree-masked requests (``batch.tree_masks``) are not handled: ``paged_attention_cpu``
-raises ``ValueError`` for such a batch and the caller must run it through the torch reference
-(``supports`` says which path a step takes).
+H // KVH, sliding_window), scale)`` up to rounding (float32 or float64), draft trees included:
+their rows see what ``batch.tree_bits`` says (built by the model runner beside ``tree_masks``, for
+trees of up to 63 nodes). A tree batch without ``tree_bits`` is not handled (``supports`` says
+which path a step takes); before the kernel knew trees, one suffix-tree request sent the whole
+batch through the reference, which copies every request's K/V out of the cache in every layer.
 
 The kernel is built with the engine's other CPU kernels (engine/cpu_kernels.py); without a
 compiler, or with ``SPECPLAN_CPU_KERNELS=0``, ``load_kernel`` returns None.
@@ -32,10 +33,11 @@ def load_kernel() -> Callable | None:
 
 
 def supports(batch: TokenBatch, dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether ``paged_attention_cpu`` takes this step: CPU, float32/float64, no tree masks, and
-    the kernel compiled. Decide once per step; otherwise use the reference with an AttentionPlan."""
+    """Whether ``paged_attention_cpu`` takes this step: CPU, float32/float64, trees (if any) given
+    as ``tree_bits``, and the kernel compiled. Decide once per step; otherwise use the reference
+    with an AttentionPlan."""
     return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64)
-            and not batch.tree_masks and load_kernel() is not None)
+            and (not batch.tree_masks or batch.tree_bits is not None) and load_kernel() is not None)
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: TokenBatch,
@@ -43,11 +45,12 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """q [N, H, D] -> out [N, H, D]; keys/values are read in place from the paged caches
     ([num_blocks, block_size, KVH, D], this step's K/V already written).
 
-    Raises ValueError for a batch with tree masks (route it to engine.attention.paged_attention)
-    and RuntimeError if the kernel could not be built (check ``supports`` first).
+    Raises ValueError for a tree batch without ``tree_bits`` (route it to
+    engine.attention.paged_attention) and RuntimeError if the kernel could not be built (check
+    ``supports`` first).
     """
-    if batch.tree_masks:
-        raise ValueError("paged_attention_cpu does not handle tree-masked requests; use the torch reference")
+    if batch.tree_masks and batch.tree_bits is None:
+        raise ValueError("paged_attention_cpu needs batch.tree_bits for tree-masked requests; use the torch reference")
     op = load_kernel()
     if op is None:
         raise RuntimeError("CPU paged-attention kernel unavailable; use the torch reference")
@@ -56,4 +59,4 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
               batch.seq_lens.to(torch.int32).contiguous(),
               batch.block_tables.to(torch.int32).contiguous(),
               batch.positions.to(torch.int64).contiguous(),
-              float(scale), int(sliding_window or 0))
+              float(scale), int(sliding_window or 0), batch.tree_bits)

@@ -44,6 +44,9 @@ class TokenBatch:
     seq_lens_host: list[int]
     # request index -> [num_nodes, num_nodes] bool, True where node t may attend to node u
     tree_masks: dict[int, torch.Tensor] | None = None
+    # The same as bits for the CPU kernel: [N] int64, a tree request's row t has bit u set iff it
+    # may attend to node u (0 for every other row). None without trees or with a tree of > 63 nodes.
+    tree_bits: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,7 @@ class ModelRunner:
         slots: list[int] = []
         query_lens, seq_lens, logits_indices = [], [], []
         tree_masks: dict[int, torch.Tensor] = {}
+        tree_bits: list[int] = []
         for i, s in enumerate(scheduled):
             n = len(s.token_ids)
             offset = len(input_ids)
@@ -72,11 +73,14 @@ class ModelRunner:
             else:  # node t sits in slot c + t but is rotated at its depth
                 positions.extend(s.start_position + d for d in s.tree.depth())
                 tree_masks[i] = _ancestor_mask(s.tree).to(device)
+                tree_bits.extend([0] * (offset - len(tree_bits)) + _ancestor_bits(s.tree))
             query_lens.append(n)
             seq_lens.append(s.start_position + n)
             logits_indices.extend(range(offset + n - s.num_logits, offset + n))
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
+        # The CPU kernel takes a tree row's visible nodes as one int64 (bit 63 is the sign).
+        bits_fit = bool(tree_masks) and all(len(s.tree.tokens) <= 63 for s in scheduled if s.tree is not None)
         qsl = [0]
         for n in query_lens:
             qsl.append(qsl[-1] + n)
@@ -95,6 +99,7 @@ class ModelRunner:
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
             tree_masks=tree_masks or None,
+            tree_bits=t(tree_bits + [0] * (len(input_ids) - len(tree_bits)), torch.int64) if bits_fit else None,
         )
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
@@ -108,6 +113,15 @@ class ModelRunner:
         """Run one forward pass; logits [len(logits_indices), V] in fp32."""
         hidden = self.model.forward(batch, self.kv_cache, self.block_size)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+
+def _ancestor_bits(tree: DraftTree) -> list[int]:
+    """Per node t, the bits of t and its ancestors: _ancestor_mask's rows as integers (bit u of
+    row t = mask[t, u]); e.g. root -> {x, y}, x -> z gives [0b0001, 0b0011, 0b0101, 0b1011]."""
+    bits = [1]
+    for t in range(1, len(tree.tokens)):
+        bits.append(bits[tree.parents[t]] | (1 << t))
+    return bits
 
 
 def _ancestor_mask(tree: DraftTree) -> torch.Tensor:

@@ -12,6 +12,8 @@ import torch
 
 from specplan.engine.attention import AttentionPlan, paged_attention
 from specplan.engine.batch import TokenBatch
+from specplan.engine.model_runner import _ancestor_bits, _ancestor_mask
+from specplan.engine.proposers.base import DraftTree
 
 TOL = 1e-5
 
@@ -189,7 +191,59 @@ def test_threads_agree_with_single_thread(kernel):
     assert torch.equal(one, many)
 
 
-def test_tree_batch_is_refused(kernel):
+def random_tree(rng: random.Random, nodes: int) -> DraftTree:
+    return DraftTree(tokens=tuple(range(nodes)), parents=(-1,) + tuple(rng.randrange(t) for t in range(1, nodes)))
+
+
+def test_ancestor_bits_are_the_mask_rows():
+    rng = random.Random(5)
+    for nodes in (1, 2, 9, 40, 63):
+        tree = random_tree(rng, nodes)
+        mask = _ancestor_mask(tree)
+        assert _ancestor_bits(tree) == [sum(1 << u for u in range(nodes) if mask[t, u]) for t in range(nodes)]
+
+
+def tree_batch(specs, trees: dict[int, DraftTree], block_size: int, seed: int):
+    """make_batch with requests ``trees`` turned into draft trees (masks and bits as the runner builds them)."""
+    masks = {i: _ancestor_mask(t) for i, t in trees.items()}
+    batch, num_blocks = make_batch(specs, block_size, seed, tree=masks)
+    bits = [0] * batch.num_tokens
+    starts = batch.query_start_loc.tolist()
+    for i, t in trees.items():
+        assert len(t.tokens) == specs[i][1]
+        bits[starts[i]:starts[i + 1]] = _ancestor_bits(t)
+    batch.tree_bits = torch.tensor(bits, dtype=torch.int64)
+    return batch, num_blocks
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.float32), (32, torch.float32), (64, torch.float64)],
+                         ids=["fast-path", "generic-float", "double"])
+@pytest.mark.parametrize("window", [None, 24], ids=["causal", "window24"])
+def test_tree_batches_match_reference(kernel, head_dim, dtype, window):
+    """Draft trees (9 nodes, wide and deep, some straddling a block edge; one of 40 nodes, more than
+    a 16-key pass) beside decodes, linear verifies and a prefill chunk, in one batch."""
+    from specplan.engine.attention_cpu import paged_attention_cpu, supports
+
+    rng = random.Random(head_dim + (window or 0))
+    specs = [(20, 9), (5, 1), (27, 9), (0, 9), (100, 40), (63, 4), (150, 30), (9, 9)]
+    trees = {0: random_tree(rng, 9), 2: random_tree(rng, 9), 3: random_tree(rng, 9), 4: random_tree(rng, 40),
+             7: DraftTree(tokens=tuple(range(9)), parents=(-1,) + (0,) * 8)}  # 8 siblings: each sees the root only
+    batch, num_blocks = tree_batch(specs, trees, 16, 21)
+    q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 9, 3, head_dim, dtype, 21)
+    assert supports(batch, q.dtype, q.device)
+    with torch.inference_mode():
+        ref = reference(q, k_cache, v_cache, batch, window)
+        out = paged_attention_cpu(q, k_cache, v_cache, batch, head_dim ** -0.5, window)
+    err = (out - ref).abs().max().item()
+    assert err <= TOL, f"max abs error {err:.3g} > {TOL}"
+    # the bits matter: seeing every node (a chain's causal rule) gives another answer
+    batch.tree_bits = torch.where(batch.tree_bits != 0, (1 << 40) - 1, 0)
+    with torch.inference_mode():
+        wrong = paged_attention_cpu(q, k_cache, v_cache, batch, head_dim ** -0.5, window)
+    assert (wrong - ref).abs().max().item() > 1e-3
+
+
+def test_tree_batch_without_bits_is_refused(kernel):
     from specplan.engine.attention_cpu import paged_attention_cpu, supports
 
     tree = {0: torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)}

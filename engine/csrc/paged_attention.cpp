@@ -9,9 +9,16 @@
 //   k/v cache     [num_blocks, block_size, KVH, D]   any strides, last dim contiguous
 //   query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32,
 //   positions     [N] int64
+//   tree_bits     [N] int64 or None                  draft-tree rows: which tree nodes they see
 // Request b owns query rows query_start_loc[b]:query_start_loc[b+1] and keys 0..seq_lens[b]-1;
 // key j lives in block block_tables[b][j / block_size] at offset j % block_size. Row i attends
 // to keys j <= positions[i] (and j > positions[i] - sliding_window when sliding_window > 0).
+// Tree rows (tree_bits[i] != 0): the request's T query tokens are the nodes of a draft tree,
+// node u in key slot c + u (c = seq_lens[b] - T), so position order is not visibility order. Row
+// i sees every context key j < c and tree key c + u iff bit u of tree_bits[i] is set (its
+// ancestors and itself; no sliding window, as in the torch reference). Worked example: a tree
+// root -> {x, y}, x -> z, nodes [root, x, y, z] in slots c..c+3: tree_bits = [0b0001, 0b0011,
+// 0b0101, 0b1011] (z sees root, x and itself, not its cousin y).
 // Query head h reads KV head h / G (G = H / KVH): the G heads of one KV head are processed
 // together against each key/value vector read in place; nothing is gathered or repeated. Rows
 // with no visible key (invalid input) come out as zeros.
@@ -41,6 +48,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -284,14 +292,15 @@ inline float hsum16(V16 v) {
 }
 
 // R query rows (the heads of one KV head that see the same keys; row r at q + r * D) against keys
-// k[t * ks] and values v[t * vs] for t < n <= 16: the online-softmax update of each row's running
+// k[t * ks] and values v[t * vs] for t < n <= 16, of which those with bit t of `lanes` set are
+// visible (lanes == (1 << n) - 1 but for draft-tree rows; never 0): the online-softmax update of each row's running
 // maximum m[r], denominator l[r] and accumulator acc[r * D : (r + 1) * D]. Each key and value
 // vector is loaded once for all R rows (GQA: the heads sharing a KV head are read together), and
 // each q.k sum runs in two independent chains.
 template <int D, int R>
 inline void attend_rows16(const float* __restrict q, const float* __restrict k, int64_t ks,
-                          const float* __restrict v, int64_t vs, int n, float scale, float* __restrict m,
-                          float* __restrict l, float* __restrict acc) {
+                          const float* __restrict v, int64_t vs, int n, uint32_t lanes, float scale,
+                          float* __restrict m, float* __restrict l, float* __restrict acc) {
   constexpr int C = D / 16;  // vectors per head
   V16 scores[R];
   {
@@ -318,10 +327,11 @@ inline void attend_rows16(const float* __restrict q, const float* __restrict k, 
     }
     for (int r = 0; r < R; ++r) scores[r] = transpose_sum16(partial[r]);  // lane t: q_r . k_t * scale
   }
-  if (n < 16) {
+  if (lanes != 0xFFFFu) {  // fewer than 16 keys, or a tree row's hidden keys: score -inf
     const VI16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const VI16 visible = ((VI16{} + static_cast<int32_t>(lanes)) >> lane) & 1;
     const V16 neg_inf = V16{} - std::numeric_limits<float>::infinity();
-    for (int r = 0; r < R; ++r) scores[r] = lane < n ? scores[r] : neg_inf;
+    for (int r = 0; r < R; ++r) scores[r] = visible != 0 ? scores[r] : neg_inf;
   }
   alignas(64) float p[R][16];  // softmax numerators, read back one broadcast lane at a time
   float alpha[R];  // rescales what row r summed under its old maximum (1: no new maximum)
@@ -356,16 +366,16 @@ inline void attend_rows16(const float* __restrict q, const float* __restrict k, 
 // stay in registers: 4 rows at head_dim 64, 2 at 128).
 template <int D>
 inline void attend_heads16(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int n,
-                           float scale, float* m, float* l, float* acc, int64_t g) {
+                           uint32_t lanes, float scale, float* m, float* l, float* acc, int64_t g) {
   constexpr int64_t kMaxRows = D <= 64 ? 4 : 2;
   for (int64_t r = 0; r < g; r += kMaxRows) {
     const float* qr = q + r * D;
     float* ar = acc + r * D;
     switch (std::min(g - r, kMaxRows)) {
-      case 1: attend_rows16<D, 1>(qr, k, ks, v, vs, n, scale, m + r, l + r, ar); break;
-      case 2: attend_rows16<D, 2>(qr, k, ks, v, vs, n, scale, m + r, l + r, ar); break;
-      case 3: attend_rows16<D, 3>(qr, k, ks, v, vs, n, scale, m + r, l + r, ar); break;
-      default: attend_rows16<D, kMaxRows>(qr, k, ks, v, vs, n, scale, m + r, l + r, ar); break;
+      case 1: attend_rows16<D, 1>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar); break;
+      case 2: attend_rows16<D, 2>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar); break;
+      case 3: attend_rows16<D, 3>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar); break;
+      default: attend_rows16<D, kMaxRows>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar); break;
     }
   }
 }
@@ -390,7 +400,21 @@ template <typename T>
 struct Scratch {
   std::vector<T> m, l, acc, scores;
   std::vector<int64_t> lo, hi;
+  std::vector<uint64_t> tree;  // per query token: its tree_bits (0 = causal row)
 };
+
+// Visibility of keys j0 .. j0 + n - 1 (n <= 32) to a row: bit t for key j0 + t. Causal rows see
+// every key of their span; a tree row (bits != 0) sees context keys (< c) and tree key c + u iff
+// bit u of bits is set. Example: c = 20, bits = 0b101, keys 16..31: context lanes 0-3, tree
+// lanes 4 (node 0) and 6 (node 2): 0b1010000 | 0b1111 = 0x5F.
+inline uint32_t visible_lanes(uint64_t bits, int64_t c, int64_t j0, int64_t n) {
+  const uint32_t all = n >= 32 ? ~0u : (1u << n) - 1u;
+  if (bits == 0 || j0 + n <= c) return all;
+  const int64_t off = c - j0;  // lanes below off are context; lane off + u is node u
+  const uint64_t tree = off >= 0 ? bits << off : (-off >= 64 ? 0 : bits >> -off);
+  const uint64_t context = off > 0 ? (uint64_t{1} << off) - 1 : 0;
+  return static_cast<uint32_t>((tree | context) & all);
+}
 
 template <typename T>
 struct Args {
@@ -399,8 +423,10 @@ struct Args {
   const T* v;
   T* out;
   const int32_t* seq_lens;
+  const int32_t* query_start_loc;
   const int32_t* block_tables;
   const int64_t* positions;
+  const int64_t* tree_bits;  // nullptr: no tree rows in the batch
   int64_t H, D, G, block_size, table_stride;
   int64_t sk0, sk1, sk2, sv0, sv1, sv2;  // element strides: block, slot, kv head
   T scale;
@@ -426,6 +452,9 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
   s.scores.resize(G * ss);
   s.lo.resize(ntok);
   s.hi.resize(ntok);
+  s.tree.assign(ntok, 0);
+  // A tree request's nodes follow its c cached tokens: c = seq_len - (its query tokens).
+  const int64_t tree_c = seq_len - (a.query_start_loc[it.req + 1] - a.query_start_loc[it.req]);
 
   // Key range [lo, hi) of each query token; the union [jmin, jmax) bounds the blocks visited.
   int64_t jmin = std::numeric_limits<int64_t>::max(), jmax = 0;
@@ -433,6 +462,11 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
     const int64_t p = a.positions[it.tok_begin + i];
     int64_t hi = std::min(p + 1, seq_len);
     int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+    if (a.tree_bits != nullptr && a.tree_bits[it.tok_begin + i] != 0) {  // a draft-tree node
+      s.tree[i] = static_cast<uint64_t>(a.tree_bits[it.tok_begin + i]);
+      lo = 0;
+      hi = seq_len;
+    }
     if (hi <= lo) lo = hi = 0;  // nothing visible: the row comes out as zeros
     s.lo[i] = lo;
     s.hi[i] = hi;
@@ -471,16 +505,31 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
         const int64_t r0 = i * heads + kv * G - head0;
         const T* k0 = kb + (ta - j0) * a.sk1;
         const T* v0 = vb + (ta - j0) * a.sv1;
+        const uint64_t tree = s.tree[i];
 #ifdef SPECPLAN_HAVE_SHUFFLEVECTOR
         if constexpr (FastD > 0) {
-          for (int64_t t = 0; t < nt; t += 16)
-            attend_heads16<FastD>(qi, k0 + t * a.sk1, a.sk1, v0 + t * a.sv1, a.sv1,
-                                  static_cast<int>(std::min<int64_t>(16, nt - t)), a.scale, s.m.data() + r0,
-                                  s.l.data() + r0, s.acc.data() + r0 * D, G);
+          for (int64_t t = 0; t < nt; t += 16) {
+            const int64_t n = std::min<int64_t>(16, nt - t);
+            const uint32_t lanes = visible_lanes(tree, tree_c, ta + t, n);
+            if (lanes == 0) continue;  // a tree row's cousins only
+            attend_heads16<FastD>(qi, k0 + t * a.sk1, a.sk1, v0 + t * a.sv1, a.sv1, static_cast<int>(n), lanes,
+                                  a.scale, s.m.data() + r0, s.l.data() + r0, s.acc.data() + r0 * D, G);
+          }
           continue;
         }
 #endif
-        for (int64_t g = 0; g < G; ++g) scores_row(qi + g * D, k0, a.sk1, nt, D, a.scale, sc + g * ss);
+        if (tree != 0) {  // hidden keys score -inf; a span with none visible is skipped
+          bool any = false;
+          for (int64_t t = 0; t < nt; t += 32) any |= visible_lanes(tree, tree_c, ta + t, std::min<int64_t>(32, nt - t)) != 0;
+          if (!any) continue;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          T* row = sc + g * ss;
+          scores_row(qi + g * D, k0, a.sk1, nt, D, a.scale, row);
+          if (tree != 0)
+            for (int64_t t = 0; t < nt; ++t)
+              if (!((visible_lanes(tree, tree_c, ta + t, 1)) & 1u)) row[t] = kNegInf;
+        }
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = r0 + g;
           T* row = sc + g * ss;
@@ -543,7 +592,7 @@ void run(const Args<T>& a, const std::vector<WorkItem>& items) {
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                const at::Tensor& block_tables, const at::Tensor& positions, double scale,
-                               int64_t sliding_window) {
+                               int64_t sliding_window, const std::optional<at::Tensor>& tree_bits) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_attention_cpu: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [N, H, D] tensor");
@@ -570,6 +619,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
   TORCH_CHECK(query_start_loc.size(0) == B + 1, "query_start_loc must have B+1 entries");
   TORCH_CHECK(block_tables.size(0) == B, "block_tables must have B rows");
   TORCH_CHECK(positions.size(0) == N, "positions must have N entries");
+  const int64_t* tree = nullptr;
+  if (tree_bits.has_value()) {
+    check_meta(*tree_bits, at::kLong, 1, "tree_bits");
+    TORCH_CHECK(tree_bits->size(0) == N, "tree_bits must have N entries");
+    tree = tree_bits->data_ptr<int64_t>();
+  }
 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
@@ -635,8 +690,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
     a.v = v_cache.data_ptr<scalar_t>();
     a.out = out.data_ptr<scalar_t>();
     a.seq_lens = sl;
+    a.query_start_loc = qsl;
     a.block_tables = bt;
     a.positions = pos;
+    a.tree_bits = tree;
     a.H = H;
     a.D = D;
     a.G = H / KVH;
@@ -668,7 +725,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
 TORCH_LIBRARY(specplan_attn, m) {
   m.def(
       "paged_attention_cpu(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
-      "Tensor seq_lens, Tensor block_tables, Tensor positions, float scale, int sliding_window) -> Tensor");
+      "Tensor seq_lens, Tensor block_tables, Tensor positions, float scale, int sliding_window, "
+      "Tensor? tree_bits=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specplan_attn, CPU, m) {
