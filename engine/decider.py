@@ -33,6 +33,9 @@ class StepView:
     num_prefill_seqs: int
     context_tokens: int  # KV tokens the step's attention reads, over all its sequences
     proposer: str
+    # Query tokens left in the step's token budget for drafts, shared by all requests (None: no
+    # limit). 0 when a prefill chunk took the rest: the engine then runs no drafts, whatever k.
+    draft_budget: int | None = None
 
 
 @dataclass(frozen=True)

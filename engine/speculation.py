@@ -67,7 +67,7 @@ class Speculator:
             requests=tuple(RequestView(s.seq_id, s.request_id, s.num_tokens, s.num_output_tokens, cap,
                                        s.params.greedy, cap if up_front else None)
                            for s, cap in zip(seqs, caps)),
-            proposer=self.proposer.name, **view_extra)
+            proposer=self.proposer.name, draft_budget=budget, **view_extra)
         t0 = time.perf_counter()
         asked = self.decider.decide(view)
         decide_s = time.perf_counter() - t0

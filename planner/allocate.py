@@ -109,9 +109,11 @@ def _branch_and_bound(cum: list[float], base: float, step_s: Callable[[int], flo
 
 def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost: StepCostModel, *,
              sla_itl_s: float | None = None, min_relative_gain: float = 0.0,
-             assume_monotone: bool = True) -> Allocation:
+             assume_monotone: bool = True, max_total_drafts: int | None = None) -> Allocation:
     """k_i in [0, caps[i]] maximising predicted goodput; all zeros when nothing beats plain decoding
-    by ``min_relative_gain`` (e.g. a compute-bound step) or when even plain decoding breaks the SLA."""
+    by ``min_relative_gain`` (e.g. a compute-bound step) or when even plain decoding breaks the SLA.
+    ``max_total_drafts`` caps the drafts of the whole step (the engine's token budget): only the
+    best that many gains are candidates."""
     num = len(estimates)
     if len(caps) != num:
         raise ValueError(f"{num} estimates but {len(caps)} caps")
@@ -151,8 +153,9 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     pad = (-1.0,) * deepest
     flat = list(chain.from_iterable(g + pad[len(g):] for g in gains))
     full = sorted(range(len(flat)), key=flat.__getitem__, reverse=True)[:sum(map(len, gains))]
+    limit = len(full) if max_total_drafts is None else max(0, max_total_drafts)
     for depth in depth_caps:
-        order = full if depth == deepest else [x for x in full if x % deepest < depth]
+        order = (full if depth == deepest else [x for x in full if x % deepest < depth])[:limit]
         cum = list(accumulate(map(flat.__getitem__, order), initial=0.0))
         pass_s = draft.per_pass_s * depth  # exact for prefixes this deep; shallower ones win at their own cap
 

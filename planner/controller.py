@@ -166,7 +166,8 @@ class Planner:
                             draft_cost=self.draft_cost, overhead_s=self.overhead_s,
                             sla_itl_s=self.sla_itl_s, roofline=self.roofline,
                             draft_slope=self.draft_slope.slope(num_decodes),
-                            explore_slope=self.draft_slope.explore_slope(num_decodes))
+                            explore_slope=self.draft_slope.explore_slope(num_decodes),
+                            draft_budget=getattr(view, "draft_budget", None))
         ks = self.policy.choose(state)
         if len(ks) != num_decodes:
             raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")

@@ -63,6 +63,7 @@ class PolicyState:
     roofline: Roofline | None = None
     draft_slope: float = 1.0  # drafts' cost relative to the latency model's increment (learned online)
     explore_slope: float = 1.0  # an optimistic draft_slope while evidence is thin (planner/drift.py)
+    draft_budget: int | None = None  # drafts the step can carry in all (the engine's token budget)
 
     @property
     def batch_size(self) -> int:

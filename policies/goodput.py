@@ -41,7 +41,7 @@ class GoodputPolicy:
     def _allocate(self, state: PolicyState, cost: StepCostModel) -> Allocation:
         return allocate([r.acceptance for r in state.requests], [r.max_k for r in state.requests], cost,
                         sla_itl_s=state.sla_itl_s, min_relative_gain=self.min_relative_gain,
-                        assume_monotone=self.assume_monotone_latency)
+                        assume_monotone=self.assume_monotone_latency, max_total_drafts=state.draft_budget)
 
     def plan(self, state: PolicyState) -> Allocation:
         """The full allocation (predicted goodput and step time too), for reports and tests."""

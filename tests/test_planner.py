@@ -6,6 +6,7 @@ flat (memory-bound: extra verify tokens are free), or linear in tokens (compute-
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -53,11 +54,13 @@ def cost_for(latency, num_requests: int, *, prefill_tokens: int = 0, context: in
     return StepCostModel(latency, base, draft, overhead)
 
 
-def brute_force(estimates, caps, cost, sla=None) -> float:
+def brute_force(estimates, caps, cost, sla=None, budget=None) -> float:
     """Best predicted goodput over every allocation (small cases only)."""
     best = 0.0
     for ks in itertools.product(*(range(c + 1) for c in caps)):
         if sla is not None and cost.seconds(ks) > sla:
+            continue
+        if budget is not None and sum(ks) > budget:
             continue
         best = max(best, step_goodput(estimates, ks, cost))
     return best
@@ -197,14 +200,30 @@ def test_allocation_matches_brute_force(seed):
                         DraftCost(per_pass_s=0.005, per_token_s=0.001)])
     cost = cost_for(latency, n, context=rng.randint(0, 500), draft=draft, overhead=rng.choice([0.0, 0.004]))
     sla = rng.choice([None, cost.seconds([0] * n) * rng.uniform(1.0, 2.0)])
+    budget = rng.choice([None, None, 0, 1, 3])  # the engine's token budget left for drafts
     # Branch and bound is exact for monotone step times; the exhaustive scan for any.
     alloc = allocate(estimates, caps, cost, sla_itl_s=sla,
-                     assume_monotone=monotone or isinstance(latency, RidgeLatency))
+                     assume_monotone=monotone or isinstance(latency, RidgeLatency), max_total_drafts=budget)
     assert all(0 <= k <= c for k, c in zip(alloc.ks, caps))
+    assert budget is None or sum(alloc.ks) <= budget
     assert step_goodput(estimates, alloc.ks, cost) == pytest.approx(alloc.goodput)
-    assert alloc.goodput == pytest.approx(brute_force(estimates, caps, cost, sla), rel=1e-9)
+    assert alloc.goodput == pytest.approx(brute_force(estimates, caps, cost, sla, budget), rel=1e-9)
     if sla is not None:
         assert cost.seconds(alloc.ks) <= sla
+
+
+def test_a_step_without_token_budget_gets_no_drafts():
+    # Memory-bound, drafts worth having: k = 8 each. With 7 tokens of budget left, the 7 best
+    # drafts: gains 0.9^j and 0.5^j, so 0.9 ... 0.9^6 = 0.53 first, then 0.5 beats 0.9^7 = 0.48.
+    # With none left (a prefill chunk took the step's budget), none; the planner passes the
+    # engine's number through.
+    estimates = [est(0.9), est(0.5)]
+    assert allocate(estimates, [8, 8], cost_for(FLAT, 2)).ks == (8, 8)
+    assert allocate(estimates, [8, 8], cost_for(FLAT, 2), max_total_drafts=7).ks == (6, 1)
+    assert allocate(estimates, [8, 8], cost_for(FLAT, 2), max_total_drafts=0).ks == (0, 0)
+    planner = Planner("goodput", FLAT, proposer="ngram")
+    assert sum(planner.decide(view(4))) > 0
+    assert planner.decide(dataclasses.replace(view(4), draft_budget=0)) == [0, 0, 0, 0]
 
 
 def test_best_allocation_seen_across_a_goodput_dip():

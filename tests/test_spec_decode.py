@@ -118,6 +118,11 @@ def test_lookup_drafts_are_shown_to_the_decider_before_it_decides(model, baselin
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, **GREEDY))
     assert [o.token_ids for o in outs] == expected
     shown = [r.available_drafts for v in decider.views for r in v.requests]
+    # The view carries the token budget left for drafts, and the engine ran no more than that.
+    budget = llm.engine.config.scheduler.max_num_batched_tokens
+    assert all(0 <= v.draft_budget <= budget - len(v.requests) for v in decider.views)
+    for view, rec in zip(decider.views, [rec for rec in decider.records if rec.requests]):
+        assert sum(rr.k for rr in rec.requests) <= view.draft_budget
     if not up_front:  # a tree proposer is asked after the decision, as before
         assert set(shown) == {None}
         return
