@@ -61,7 +61,6 @@ class ModelRunner:
         slots: list[int] = []
         query_lens, seq_lens, logits_indices = [], [], []
         tree_masks: dict[int, torch.Tensor] = {}
-        tree_bits: list[int] = []
         for i, s in enumerate(scheduled):
             n = len(s.token_ids)
             offset = len(input_ids)
@@ -73,7 +72,6 @@ class ModelRunner:
             else:  # node t sits in slot c + t but is rotated at its depth
                 positions.extend(s.start_position + d for d in s.tree.depth())
                 tree_masks[i] = _ancestor_mask(s.tree).to(device)
-                tree_bits.extend([0] * (offset - len(tree_bits)) + _ancestor_bits(s.tree))
             query_lens.append(n)
             seq_lens.append(s.start_position + n)
             logits_indices.extend(range(offset + n - s.num_logits, offset + n))
@@ -99,7 +97,7 @@ class ModelRunner:
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
             tree_masks=tree_masks or None,
-            tree_bits=t(tree_bits + [0] * (len(input_ids) - len(tree_bits)), torch.int64) if bits_fit else None,
+            tree_bits=t(_tree_bits(scheduled), torch.int64) if bits_fit else None,
         )
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
@@ -113,6 +111,14 @@ class ModelRunner:
         """Run one forward pass; logits [len(logits_indices), V] in fp32."""
         hidden = self.model.forward(batch, self.kv_cache, self.block_size)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+
+def _tree_bits(scheduled: list[ScheduledSeq]) -> list[int]:
+    """Per query token of the batch: its tree node's _ancestor_bits, 0 outside trees."""
+    bits: list[int] = []
+    for s in scheduled:
+        bits.extend(_ancestor_bits(s.tree) if s.tree is not None else [0] * len(s.token_ids))
+    return bits
 
 
 def _ancestor_bits(tree: DraftTree) -> list[int]:

@@ -165,20 +165,20 @@ def summarize(df: pd.DataFrame) -> dict:
         # The oracle (best static k of each cell, in hindsight) bounds what one k per cell can reach;
         # the repeat spread says how much of a cell-to-cell difference is noise.
         oracle_gm = math.exp(sum(math.log(x) for x in best) / len(best))
-        repeats = d["goodput_all"] if "goodput_all" in d else pd.Series([[g] for g in d["goodput"]])
-        spread = repeats.apply(lambda xs: (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0)
+        # Per-repeat goodputs of each (workload, B, decider); a frame without them has one run each.
+        runs = d.set_index(["workload", "batch_size", "decider"])
+        runs = (runs["goodput_all"] if "goodput_all" in runs else runs["goodput"].apply(lambda g: [g])).sort_index()
+        spread = runs.apply(lambda xs: (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0)
         res = {"best_single_static": best_single, "best_single_static_geomean": geo.max(),
                "oracle_geomean_vs_best_single_static": oracle_gm / geo.max(),
                "median_repeat_spread": float(spread.median()), "policies": {}}
-        per_repeat = (d.set_index(["workload", "batch_size", "decider"])["goodput_all"] if "goodput_all" in d
-                      else d.set_index(["workload", "batch_size", "decider"])["goodput"].apply(lambda g: [g]))
         for pol, g in d[~d.decider.str.startswith("static:")].groupby("decider"):
             g = g.set_index(["workload", "batch_size"])["goodput"]
             vs_best = (g / best).dropna()
             vs_off = (g / off).dropna()
             gm = math.exp(sum(math.log(x) for x in g) / len(g))
-            paired = {cell: paired_ratios({dec: list(runs) for (*c, dec), runs in per_repeat.items()
-                                           if tuple(c) == cell}, pol) for cell in g.index}
+            paired = {cell: paired_ratios({dec: list(r) for dec, r in runs.loc[cell].items()}, pol)
+                      for cell in g.index}
             paired_off = min(v[0] for v in paired.values())
             paired_best = min(v[1] for v in paired.values())
             res["policies"][pol] = {

@@ -403,12 +403,17 @@ struct Scratch {
   std::vector<uint64_t> tree;  // per query token: its tree_bits (0 = causal row)
 };
 
-// Visibility of keys j0 .. j0 + n - 1 (n <= 32) to a row: bit t for key j0 + t. Causal rows see
+// Whether a tree row (bits != 0) sees key j: every context key (j < c), tree key c + u iff bit u.
+inline bool key_visible(uint64_t bits, int64_t c, int64_t j) {
+  return j < c || (j - c < 64 && ((bits >> (j - c)) & 1u));
+}
+
+// Visibility of keys j0 .. j0 + n - 1 (n <= 16) to a row: bit t for key j0 + t. Causal rows see
 // every key of their span; a tree row (bits != 0) sees context keys (< c) and tree key c + u iff
 // bit u of bits is set. Example: c = 20, bits = 0b101, keys 16..31: context lanes 0-3, tree
 // lanes 4 (node 0) and 6 (node 2): 0b1010000 | 0b1111 = 0x5F.
 inline uint32_t visible_lanes(uint64_t bits, int64_t c, int64_t j0, int64_t n) {
-  const uint32_t all = n >= 32 ? ~0u : (1u << n) - 1u;
+  const uint32_t all = (1u << n) - 1u;
   if (bits == 0 || j0 + n <= c) return all;
   const int64_t off = c - j0;  // lanes below off are context; lane off + u is node u
   const uint64_t tree = off >= 0 ? bits << off : (-off >= 64 ? 0 : bits >> -off);
@@ -518,9 +523,9 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
           continue;
         }
 #endif
-        if (tree != 0) {  // hidden keys score -inf; a span with none visible is skipped
+        if (tree != 0) {  // a span of a tree row's cousins only is skipped; hidden keys score -inf
           bool any = false;
-          for (int64_t t = 0; t < nt; t += 32) any |= visible_lanes(tree, tree_c, ta + t, std::min<int64_t>(32, nt - t)) != 0;
+          for (int64_t t = 0; t < nt && !any; ++t) any = key_visible(tree, tree_c, ta + t);
           if (!any) continue;
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -528,7 +533,7 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
           scores_row(qi + g * D, k0, a.sk1, nt, D, a.scale, row);
           if (tree != 0)
             for (int64_t t = 0; t < nt; ++t)
-              if (!((visible_lanes(tree, tree_c, ta + t, 1)) & 1u)) row[t] = kNegInf;
+              if (!key_visible(tree, tree_c, ta + t)) row[t] = kNegInf;
         }
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = r0 + g;
