@@ -1,8 +1,10 @@
 """Attention over the paged KV cache (torch reference path; runs on any device).
 
 KV cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for keys and the
-same for values. A request's keys at positions 0..L-1 live in the blocks of its block table, so
-``k_cache[block_table].view(-1, kv_heads, head_dim)[:L]`` reads them in order.
+same for values, indexed in that order whatever the storage (the engine stores it head-major and
+hands out a strided view; see model_runner.allocate_kv_cache). A request's keys at positions
+0..L-1 live in the blocks of its block table, so ``k_cache[block_table].flatten(0, 1)[:L]`` reads
+them in order.
 
 GQA without repeating K/V: query heads ``h = kv * G + g`` (G = heads per KV head) share KV head
 ``kv``, so the G query heads of one KV head are folded into the query axis and each KV head does
@@ -85,9 +87,10 @@ class AttentionPlan:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ([N, kv_heads, D]) at their slots."""
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    block_size = k_cache.shape[1]
+    block, offset = slot_mapping // block_size, slot_mapping % block_size  # [N] each
+    k_cache[block, offset] = k  # indexing, not .view: the cache may be a strided (head-major) view
+    v_cache[block, offset] = v
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,

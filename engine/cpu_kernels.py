@@ -24,6 +24,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "packed_linear.cpp", "fused_ops.cpp")]
+# Python code that shapes a CPU step's speed beside the kernels (the KV cache's storage order, the
+# layer loop): part of build_id, so a profile timed on other code is measured again.
+_STEP_SOURCES = [Path(__file__).parent / name for name in ("model.py", "model_runner.py")]
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # "ok" once load() has run
 
@@ -102,13 +105,14 @@ def _compile() -> None:
 
 
 def build_id() -> str:
-    """What runs a CPU step here: the kernel build and a hash of its sources ("torch" without the
-    kernels). Profiles record it, so timings measured with other kernels are not reused silently."""
+    """What runs a CPU step here: the kernel build and a hash of its sources and of the Python code
+    around them ("torch" without the kernels). Profiles record it, so timings measured with other
+    code are not reused silently."""
     if not load():
         return "torch"
     import hashlib
 
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sorted(_SOURCES))).hexdigest()[:8]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sorted(_SOURCES + _STEP_SOURCES))).hexdigest()[:8]
     return f"{build_config()[0].removeprefix('specplan_cpu_kernels_')}-{digest}"
 
 

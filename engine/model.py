@@ -99,7 +99,7 @@ class Model:
     def forward(self, batch: TokenBatch, kv_cache: torch.Tensor, block_size: int) -> torch.Tensor:
         """Hidden states [N, hidden] after the final norm; writes this step's K/V into kv_cache.
 
-        kv_cache: [num_layers, 2, num_blocks, block_size, KVH, D].
+        kv_cache: [num_layers, 2, num_blocks, block_size, KVH, D] (a strided view: allocate_kv_cache).
         """
         c = self.config
         # On CPU a C++ kernel reads K/V in place through the block tables; tree-masked batches and

@@ -70,9 +70,10 @@ def make_batch(specs: list[tuple[int, int]], block_size: int, seed: int, extra_b
 def make_tensors(batch: TokenBatch, num_blocks: int, block_size: int, heads: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
-    # One [2, ...] allocation like a layer of the engine's kv_cache; every block (used or not) is
-    # random, so reading a wrong block or slot shows up as a mismatch.
-    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g, dtype=dtype)
+    # One [2, ...] allocation like a layer of the engine's kv_cache: head-major storage seen as
+    # [2, num_blocks, block_size, KVH, D] (model_runner.allocate_kv_cache). Every block (used or
+    # not) is random, so reading a wrong block or slot shows up as a mismatch.
+    kv = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, generator=g, dtype=dtype).transpose(2, 3)
     q = 2 * torch.randn(batch.num_tokens, heads, head_dim, generator=g, dtype=dtype)  # peaky softmax
     return q, kv[0], kv[1]
 
@@ -172,6 +173,42 @@ def test_strided_cache_view(kernel):
         return big[..., :cache.shape[-1]]
 
     check(MIXED, heads=9, kv_heads=3, window=48, seed=9, cache_transform=padded)
+
+
+def test_token_major_cache(kernel):
+    """The other storage order (the heads of one slot side by side) reads the same."""
+    check(MIXED, heads=9, kv_heads=3, window=48, seed=10, cache_transform=lambda c: c.contiguous())
+    check(MIXED, heads=8, kv_heads=2, head_dim=32, seed=12, cache_transform=lambda c: c.contiguous())
+
+
+def test_engine_cache_layout_write_and_move():
+    """allocate_kv_cache: logical [L, 2, blocks, block_size, KVH, D] over head-major storage (one
+    block's slots of one head are one contiguous run); write_kv puts slot s at (s // bs, s % bs)
+    and ModelRunner.copy_slots moves slots in every layer, both through the strided view."""
+    from specplan.engine.attention import write_kv
+    from types import SimpleNamespace
+
+    from specplan.engine.model_runner import ModelRunner, allocate_kv_cache
+
+    config = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=4)  # all allocate_kv_cache reads
+    bs, blocks = 4, 5
+    kv = allocate_kv_cache(config, blocks, bs, torch.float32, torch.device("cpu"))
+    assert kv.shape == (2, 2, blocks, bs, 2, 4)
+    assert kv.stride(4) == bs * 4 and kv.stride(3) == 4  # head-major: slot stride D, head stride bs * D
+    g = torch.Generator().manual_seed(0)
+    slots = torch.tensor([0, 5, 19, 7])  # blocks 0, 1, 4, 1
+    k, v = torch.randn(4, 2, 4, generator=g), torch.randn(4, 2, 4, generator=g)
+    write_kv(k, v, kv[1, 0], kv[1, 1], slots)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(kv[1, 0, s // bs, s % bs], k[i]) and torch.equal(kv[1, 1, s // bs, s % bs], v[i])
+    assert kv[0].abs().sum() == 0  # the other layer untouched
+    kv[0].copy_(torch.randn(kv[0].shape, generator=g))
+    before = kv.clone()
+    ModelRunner(None, kv, bs).copy_slots([5, 19], [8, 9])  # slots 8, 9: block 2, offsets 0, 1
+    for src, dst in ((5, 8), (19, 9)):
+        assert torch.equal(kv[:, :, dst // bs, dst % bs], before[:, :, src // bs, src % bs])
+    untouched = [s for s in range(blocks * bs) if s not in (8, 9)]
+    assert all(torch.equal(kv[:, :, s // bs, s % bs], before[:, :, s // bs, s % bs]) for s in untouched)
 
 
 def test_threads_agree_with_single_thread(kernel):

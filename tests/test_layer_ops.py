@@ -35,12 +35,17 @@ def test_add_rms_norm(n, e, with_delta):
         assert not torch.equal(h_ker, h)
 
 
-def _caches(blocks, block_size, kvh, d):
+def _caches(blocks, block_size, kvh, d, head_major=False):
+    """K and V caches [blocks, block_size, KVH, D]; head_major: over [blocks, KVH, block_size, D]
+    storage, as the engine allocates them."""
+    if head_major:
+        return tuple(torch.zeros(blocks, kvh, block_size, d).transpose(1, 2) for _ in "kv")
     return (torch.zeros(blocks, block_size, kvh, d), torch.zeros(blocks, block_size, kvh, d))
 
 
 @pytest.mark.parametrize("n,heads,kvh,d", [(1, 9, 3, 64), (7, 4, 2, 8), (33, 2, 2, 16)])
-def test_rope_write_kv(n, heads, kvh, d):
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+def test_rope_write_kv(n, heads, kvh, d, head_major):
     g = torch.Generator().manual_seed(n)
     qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=g)
     max_pos, blocks, block_size = 128, 20, 4
@@ -49,7 +54,7 @@ def test_rope_write_kv(n, heads, kvh, d):
     positions = torch.randperm(max_pos, generator=g)[:n]
     slots = torch.randperm(blocks * block_size, generator=g)[:n]  # scattered slots
     k_ref, v_ref = _caches(blocks, block_size, kvh, d)
-    k_ker, v_ker = _caches(blocks, block_size, kvh, d)
+    k_ker, v_ker = _caches(blocks, block_size, kvh, d, head_major)
     q_ref = TorchLayerOps.rope_write_kv(qkv, positions, cos, sin, k_ref, v_ref, slots, heads, kvh)
     q_ker = CpuKernelOps.rope_write_kv(qkv, positions, cos, sin, k_ker, v_ker, slots, heads, kvh)
     assert q_ker.shape == (n, heads, d)
