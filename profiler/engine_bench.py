@@ -152,8 +152,10 @@ def run_generation(loaded: LoadedModel, hf_model, prompt: str, new_tokens: int =
     times: dict[str, list[float]] = {name: [] for name in runners}
     with Progress(disable=not progress) as bar:
         task = bar.add_task("single-stream generation", total=repeats * len(runners))
-        for _ in range(repeats):
-            for name, fn in runners.items():
+        order = list(runners.items())
+        for rep in range(repeats):
+            # A rotated order each repeat: no engine always runs first (or after the same one).
+            for name, fn in order[rep % len(order):] + order[:rep % len(order)]:
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
@@ -243,5 +245,5 @@ def run_engine_bench(out_dir: Path = Path("reports"), model: str | None = None, 
     hf_model = load_hf_model(loaded) if include_hf else None
     grid = run_step_grid(loaded, hf_model, ceilings, batch_sizes, tokens_per_seq, context, repeats, progress)
     prompt = "def quicksort(arr):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
-    generation = run_generation(loaded, hf_model, prompt, new_tokens, max(3, repeats // 2), llama_cpp_gguf, progress)
+    generation = run_generation(loaded, hf_model, prompt, new_tokens, max(3, repeats), llama_cpp_gguf, progress)
     return render_engine_report(grid, generation, ceilings, loaded.name, out_dir, command)
