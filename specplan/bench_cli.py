@@ -21,7 +21,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def bench_engine(
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf (default: embedded SmolLM2).")] = None,
-    repeats: Annotated[int, typer.Option(help="Timed steps per cell (median).")] = 5,
+    repeats: Annotated[int, typer.Option(help="Timed steps per cell and single-stream runs per engine (medians).")] = 5,
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated B values.")] = "1,2,4,8,16,32",
     tokens_per_seq: Annotated[str, typer.Option(help="Comma-separated T values (1 + k).")] = "1,2,3,5,8,9",
     context: Annotated[int, typer.Option(help="Context tokens per sequence.")] = 256,
