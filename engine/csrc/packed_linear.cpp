@@ -50,13 +50,15 @@ constexpr int MR = 3;
 // Below this many weight floats a product runs on the calling thread (waking a thread costs more).
 constexpr int64_t kMinParallelFloats = 1 << 16;
 // From this many rows on, the next panel is prefetched while this one is multiplied. A panel's
-// first pass both fetches it from memory and multiplies it; at M >= ~5 the multiply is long enough
-// that the fetch alone no longer hides it, so the two serialize unless the next fetch starts early.
-// Measured here over one step's products of SmolLM2-135M (30 layers + lm_head, 2 threads): M = 5
-// 24.3 -> 21.9 ms, M = 8 28.4 -> 22.5 (24.1 -> 17.4 in a second run), M = 9 30.2 -> 22.8, M = 16
-// 39.2 -> 35.1, M = 32 53.2 -> 50.2; neutral at M = 2-4; at M = 1, a pure stream the hardware
-// prefetcher already runs, 15.8 -> 18.4 (worse), hence the threshold.
-constexpr int64_t kPrefetchMinRows = 4;
+// first pass both fetches it from memory and multiplies it; with enough rows the multiply is long
+// enough that the two serialize unless the next fetch starts early. With fewer rows the loop is a
+// plain stream the hardware prefetcher runs best alone. Measured here, one step's products of
+// SmolLM2-135M (30 layers + lm_head, 2 threads): M = 8 28.4 -> 22.5 ms, M = 9 30.2 -> 22.8, M = 16
+// 39.2 -> 35.1, M = 32 53.2 -> 50.2; at M = 1 15.8 -> 18.4 (worse). In whole B = 1 engine steps
+// (T = 1..9 interleaved), a threshold of 4 put a +13% step at T = 4 (T = 2-3: +1-2%) where without
+// prefetch T = 4-6 cost +4-9%; at 7, T = 2-6 stay within +6% of T = 1, which is what makes
+// drafts nearly free there.
+constexpr int64_t kPrefetchMinRows = 7;
 
 // Cache lines of the next panel to prefetch, `lines_per_k` of them per k step from `base`.
 struct Prefetch {
