@@ -48,8 +48,8 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
     storage with its two middle dims swapped (a strided view: index it, never ``.view`` it). Why:
     a decode step reads each (block, KV head) of a request as one contiguous run of block_size * D
     values, where a token-major block interleaves the heads at a stride of KVH * D. On the 2-core
-    CPU that cut attention over a B=32, 256-token batch from ~24 to ~15 ms for 30 layers
-    (``python scripts/bench_kv_layout.py``)."""
+    CPU that cut the attention of a B=32 decode step at context 256 (30 layers) from 27.7 to
+    13.5 ms in the engine, 33.0 to 16.9 ms in ``python scripts/bench_kv_layout.py``."""
     storage = torch.zeros((config.num_layers, 2, max(num_blocks, 1), config.num_kv_heads, block_size,
                            config.head_dim), dtype=dtype, device=device)
     return storage.transpose(3, 4)
