@@ -228,6 +228,40 @@ def test_threads_agree_with_single_thread(kernel):
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize("specs", [[(255, 1)], [(2000, 1)], [(120, 9)], [(600, 1), (40, 1)], [(0, 1)], [(70, 1)]],
+                         ids=["decode256", "decode2000", "verify9", "two-decodes", "first-token", "short"])
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.float32), (32, torch.float32), (64, torch.float64)],
+                         ids=["fast-path", "generic-float", "double"])
+def test_few_requests_split_keys(kernel, specs, head_dim, dtype):
+    """One or two requests on two threads: too few (request, KV head) items to share, so the kernel
+    splits each item's keys into ranges and merges the softmax pieces (merge_split). A range whose
+    rows see no key (the causal rows of a verify end at different keys) must add nothing."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        check(specs, head_dim=head_dim, dtype=dtype, seed=len(specs) + head_dim)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_split_keys_with_a_tree_row(kernel):
+    """A single request verifying a draft tree on two threads: its keys are split too."""
+    from specplan.engine.attention_cpu import paged_attention_cpu
+
+    tree = random_tree(random.Random(3), 9)
+    batch, num_blocks = tree_batch([(300, 9)], {0: tree}, 16, 31)
+    q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 9, 3, 64, torch.float32, 31)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with torch.inference_mode():
+            ref = reference(q, k_cache, v_cache, batch, None)
+            out = paged_attention_cpu(q, k_cache, v_cache, batch, 0.125, None)
+    finally:
+        torch.set_num_threads(before)
+    assert (out - ref).abs().max().item() <= TOL
+
+
 def random_tree(rng: random.Random, nodes: int) -> DraftTree:
     return DraftTree(tokens=tuple(range(nodes)), parents=(-1,) + tuple(rng.randrange(t) for t in range(1, nodes)))
 
