@@ -112,8 +112,9 @@ class Model:
         norms = [layer.input_norm for layer in self.layers] + [self.final_norm]
         h = self.embed[batch.input_ids]  # [N, hidden], the residual stream (updated in place)
         x = ops.add_rms_norm_(h, None, norms[0], eps)  # [N, hidden]
-        for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]  # [num_blocks, block_size, KVH, D]
+        # k_cache, v_cache: [num_blocks, block_size, KVH, D]. Iterating unbinds: one op per layer
+        # for both views, where indexing took four.
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_cache, strict=True)):
             q = ops.rope_write_kv(layer.qkv(x), batch.positions, self.rope_cos, self.rope_sin, k_cache, v_cache,
                                   batch.slot_mapping, c.num_heads, c.num_kv_heads)  # [N, H, D]
             if use_kernel:
