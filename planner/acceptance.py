@@ -292,6 +292,11 @@ class PooledAcceptance:
             self._dirty = True
 
     @property
+    def evidence(self) -> float:
+        """Observed request-steps behind the belief (discounted; 0: the belief is the prior)."""
+        return self._alpha_weight
+
+    @property
     def alpha(self) -> float:
         s = self.config.initial_strength
         return (s * self._initial.alpha + self._alpha_sum) / (s + self._alpha_weight)

@@ -157,7 +157,8 @@ class Planner:
             if available is not None:
                 estimate = estimate.given_available(available)
             reqs.append(RequestState(rv.seq_id, rv.request_id, max(0, min(rv.max_k, planner_cap)), rv.num_tokens,
-                                     estimate, t.last_outcome, acc.steps_observed, rv.greedy))
+                                     estimate, t.last_outcome, acc.steps_observed, rv.greedy,
+                                     pool_evidence=acc.pool.evidence))
         num_decodes = len(reqs)
         base = StepShape(num_decodes + view.num_prefill_seqs, num_decodes + view.num_prefill_tokens,
                          view.context_tokens)

@@ -37,6 +37,9 @@ class RequestState:
     last_outcome: Outcome | None  # None until the request was observed
     steps_observed: int  # observed steps in which it speculated (k > 0); changes when last_outcome does
     greedy: bool = True
+    # Request-steps of evidence (discounted) behind the pooled belief a request without evidence of
+    # its own starts from: 0 while every estimate of its proposer and workload is the prior.
+    pool_evidence: float = float("inf")
 
 
 @runtime_checkable

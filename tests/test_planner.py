@@ -480,6 +480,25 @@ def test_planner_on_when_memory_bound_off_when_compute_bound():
     assert busy.zero_share == 1.0
 
 
+def test_planner_slow_start_on_an_unproven_prior():
+    """A fresh pool's belief is the proposer's prior: requests start drafting a few at a time.
+    Requests that drafted keep drafting; new ones join up to the pool's observed request-steps
+    (1, then 1 + 1, then 2 + 2, then 4 + 6: the pool has seen 1 + 2 + 4 request-steps, discounted
+    to 6.9). A proven pool lets everyone draft."""
+    rng = random.Random(3)
+    planner = Planner("goodput", FLAT)
+    drafting = []
+    for _ in range(5):
+        ks = planner.decide(view(16))
+        drafting.append(sum(1 for k in ks if k))
+        planner.observe(record(ks, [0.9] * 16, rng))
+    assert drafting[:4] == [1, 2, 4, 10]  # each step's drafting requests add to the pool's evidence
+    for _ in range(10):
+        ks = planner.decide(view(16))
+        planner.observe(record(ks, [0.9] * 16, rng))
+    assert all(planner.decide(view(16)))  # the prior held: every request drafts
+
+
 def test_planner_respects_caps_and_sla():
     planner = Planner("goodput", RidgeLatency(a=0.03, b=0.001, ridge_tokens=4), sla_itl_s=0.035, max_k=6)
     ks = planner.decide(view(4, max_k=3))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from specplan.planner.acceptance import AcceptanceEstimate
@@ -108,6 +110,26 @@ def test_goodput_policy_off_when_compute_bound_on_when_memory_bound():
     assert policy.choose(state([rare], latency=FLAT)) == [0]
     with pytest.raises(ValueError, match="latency"):
         policy.choose(state(many))
+
+
+def test_goodput_slow_start_holds_back_requests_valued_at_an_unproven_prior():
+    """Requests without a verified draft of their own, whose pool belief rests on fewer than
+    32 observed request-steps: only max(1, evidence) of them draft in a step, the best first
+    drafts; a request with drafts of its own verified is not held back."""
+    alphas = [0.6, 0.9, 0.7, 0.8, 0.65, 0.75, 0.85, 0.6]
+
+    def drafting(evidence: float, observed: tuple[int, ...] = ()) -> list[int]:
+        reqs = [dataclasses.replace(req(i, a, steps=2 if i in observed else 0), pool_evidence=evidence)
+                for i, a in enumerate(alphas)]
+        return [i for i, k in enumerate(GoodputPolicy().choose(state(reqs, latency=FLAT))) if k]
+
+    assert drafting(float("inf")) == list(range(8))  # memory-bound: every request drafts
+    assert drafting(0.0) == [1]  # the prior alone: one request, the best first draft (0.9)
+    assert drafting(3.0) == [1, 3, 6]
+    assert drafting(0.0, observed=(0,)) == [0, 1]  # request 0's own drafts were verified
+    assert drafting(32.0) == list(range(8))
+    with pytest.raises(ValueError, match="slow_start_evidence"):
+        GoodputPolicy(slow_start_evidence=-1)
 
 
 def test_goodput_policy_respects_the_sla():
