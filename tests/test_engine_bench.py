@@ -27,12 +27,15 @@ def test_report_checks_each_target(tmp_path):
                                {"engine": "transformers", "seconds": 8.0, "tokens_per_s": 16.0, "all_seconds": [8.0]}])
     path = render_engine_report(_grid(22.0, 33.0), generation, ceilings, "tiny", tmp_path, "specplan bench engine")
     text = path.read_text()
-    assert "| B=1, T=1 step <= 1.2x roofline floor | 1.10x | yes |" in text
-    assert "| B=1, T=8 step <= 1.4x own B=1, T=1 | 1.50x | no |" in text
-    assert "| B=32, T=1 throughput >= 3x transformers | 3.33x | yes |" in text
-    assert "| single-stream >= 2.4x transformers | 4.00x | yes |" in text
+    assert "| B=1, T=1 step <= 1.2x roofline floor | 1.100x | yes |" in text
+    assert "| B=1, T=8 step <= 1.4x own B=1, T=1 | 1.500x | no |" in text
+    assert "| B=32, T=1 throughput >= 3x transformers | 3.333x | yes |" in text
+    assert "| single-stream >= 2.4x transformers | 4.000x | yes |" in text
     assert (tmp_path / "engine-speed.png").stat().st_size > 0
     assert len(json.loads((tmp_path / "engine-speed.json").read_text())["grid"]) == 3
+    # Just over a bound reads as over it, not as a rounded "1.20x | no".
+    text = render_engine_report(_grid(24.12, 30.0), generation, ceilings, "tiny", tmp_path, "x").read_text()
+    assert "| B=1, T=1 step <= 1.2x roofline floor | 1.206x | no |" in text
 
 
 def test_bandwidth_is_positive_and_plausible():
