@@ -29,11 +29,13 @@ def caches(block_size: int, head_major: bool, scattered: bool, gen: torch.Genera
     return out
 
 
-def time_step(op, layers, repeats: int = 9) -> float:
-    q = torch.randn(B, H, D)  # [B, H, D]: one decode token per request
-    query_start_loc = torch.arange(B + 1, dtype=torch.int32)
-    seq_lens = torch.full((B,), CONTEXT, dtype=torch.int32)
-    positions = torch.full((B,), CONTEXT - 1, dtype=torch.int64)
+def time_step(op, layers, *, batch: int = B, context: int = CONTEXT, tokens: int = 1, repeats: int = 9) -> float:
+    """Median milliseconds of one step's attention over ``layers`` ((k_cache, v_cache, block_tables)
+    each): ``batch`` requests of ``context`` keys, the last ``tokens`` of each as queries."""
+    q = torch.randn(batch * tokens, H, D)  # [N, H, D]
+    query_start_loc = torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    positions = torch.arange(context - tokens, context, dtype=torch.int64).repeat(batch)
 
     def step():
         for k, v, tables in layers:
