@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
+from .huge_pages import huge_page_zeros
 
 PANEL = 32  # output columns per packed panel (NR in packed_linear.cpp)
 
@@ -53,6 +54,26 @@ class PackedLinear(Linear):
         y = torch.ops.specplan_linear.packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), self.packed,
                                                     self.out_features, self.bias)
         return y.view(*lead, self.out_features)
+
+
+def move_to_huge_pages(linears: list[Linear]) -> None:
+    """Put the packed weights of ``linears`` side by side in one buffer backed by 2 MB pages
+    (engine/huge_pages.py), each weight starting on a cache line.
+
+    Measured on SmolLM2-135M, one step's 121 products, 2 threads, 4 KB vs 2 MB pages: M = 1
+    21.7 -> 19.4 ms, M = 8 22.9 -> 22.4, M = 32 47.3 -> 45.9.
+    """
+    packed = [lin for lin in linears if isinstance(lin, PackedLinear)]
+    if not packed:
+        return
+    sizes = [-(-lin.packed.numel() * lin.packed.element_size() // 64) * 64 for lin in packed]  # bytes, whole lines
+    arena = huge_page_zeros((sum(sizes),), torch.uint8)
+    start = 0
+    for lin, size in zip(packed, sizes, strict=True):
+        old = lin.packed
+        lin.packed = arena[start:start + old.numel() * old.element_size()].view(old.dtype).view(old.shape)
+        lin.packed.copy_(old)
+        start += size
 
 
 def packed_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -19,7 +19,7 @@ from .attention_cpu import supports as cpu_kernel_supports
 from .batch import TokenBatch
 from .config import ModelConfig
 from .layer_ops import layer_ops_for
-from .linear import Linear, make_linear, packed_available
+from .linear import Linear, make_linear, move_to_huge_pages, packed_available
 
 
 @dataclass
@@ -74,6 +74,8 @@ class Model:
                 gate_up=linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
                 down=linear(w(p + "mlp.down_proj.weight")),
             ))
+        move_to_huge_pages([self.lm_head] + [lin for layer in self.layers
+                                             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)])
         # RoPE tables for every position the model can see: [max_pos, D] (computed in fp32, as HF).
         inv_freq = torch.tensor(c.rope_inv_freq, dtype=torch.float32)
         pos = torch.arange(c.max_position_embeddings, dtype=torch.float32)

@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specplan.engine.linear import Linear, PackedLinear, make_linear, pack_weight, packed_available
+from specplan.engine.huge_pages import HUGE_PAGE
+from specplan.engine.linear import (Linear, PackedLinear, make_linear, move_to_huge_pages, pack_weight,
+                                   packed_available)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,6 +47,28 @@ def test_bias_and_leading_dims():
     out = PackedLinear(w, b)(x)
     assert out.shape == (2, 3, 50)
     assert torch.allclose(out, F.linear(x, w, b), atol=1e-5)
+
+
+def test_move_to_huge_pages_keeps_every_product():
+    g = torch.Generator().manual_seed(7)
+    shapes = [(40, 24, True), (576, 64, False), (97, 5, True)]  # (N, K, bias)
+    linears = [PackedLinear(torch.randn(n, k, generator=g), torch.randn(n, generator=g) if b else None)
+               for n, k, b in shapes]
+    x = [torch.randn(5, k, generator=g) for _, k, _ in shapes]
+    before = [lin(xi) for lin, xi in zip(linears, x)]
+    unpacked = Linear(torch.randn(8, 24, generator=g))  # not packed: left alone
+    move_to_huge_pages(linears + [unpacked])
+    # One buffer, the first weight on a 2 MB boundary, every weight on its own cache lines.
+    base = linears[0].packed.untyped_storage().data_ptr()
+    assert linears[0].packed.data_ptr() % HUGE_PAGE == 0
+    ends = []
+    for lin in linears:
+        assert lin.packed.untyped_storage().data_ptr() == base and lin.packed.data_ptr() % 64 == 0
+        ends.append((lin.packed.data_ptr(), lin.packed.data_ptr() + lin.packed.numel() * 4))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
+    for lin, xi, y in zip(linears, x, before):
+        assert torch.equal(lin(xi), y)
+    assert unpacked.weight.shape == (8, 24)
 
 
 def test_non_contiguous_input_and_empty_batch():
