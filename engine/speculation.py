@@ -20,7 +20,7 @@ from .decider import RequestView, SpecDecider, StepView
 from .model_runner import ScheduledSeq
 from .proposers.base import DraftTokens, DraftTree, Proposer
 from .sampling import greedy_tokens, probabilities
-from .verify import rejection_sample, verify_greedy, verify_tree
+from .verify import accept_greedy, rejection_sample, verify_greedy, verify_tree
 
 
 @dataclass
@@ -163,17 +163,26 @@ def verify(logits: torch.Tensor, items: list[ScheduledSeq], default_generator: t
     vocab = logits.shape[-1]
     argmax_cache: list[torch.Tensor] = []
 
-    def argmax_of(idx: list[int]) -> torch.Tensor:  # [rows] int64: one argmax over all rows, then pick
+    def all_argmax() -> torch.Tensor:  # [sum(num_logits)] int64, computed once
         if not argmax_cache:
-            argmax_cache.append(greedy_tokens(logits))  # [sum(num_logits)]
-        return argmax_cache[0][rows_of(idx)]
+            argmax_cache.append(greedy_tokens(logits))
+        return argmax_cache[0]
+
+    def argmax_of(idx: list[int]) -> torch.Tensor:  # [rows] int64: the rows of these items
+        return all_argmax()[rows_of(idx)]
 
     greedy = [i for i in linear if items[i].seq.params.greedy]
     sampled = [i for i in linear if not items[i].seq.params.greedy]
-    if greedy:
+    if greedy and device.type == "cpu":  # the same rule on the host: no tensor ops for a few ints
+        argmax = all_argmax().tolist()
+        for i in greedy:
+            w = items[i]
+            toks = accept_greedy(w.token_ids[len(w.token_ids) - w.num_drafts:], argmax[starts[i]:starts[i] + w.num_logits])
+            verdicts[i] = Verdict(toks, len(toks) - 1)
+    elif greedy:
         draft_ids, cu = drafts_of(greedy)
         res = greedy_verify(draft_ids, cu, argmax_of(greedy))
-        for j, (i, toks) in enumerate(zip(greedy, res.token_lists())):
+        for i, toks in zip(greedy, res.token_lists()):
             verdicts[i] = Verdict(toks, len(toks) - 1)
     if sampled:
         draft_ids, cu = drafts_of(sampled)

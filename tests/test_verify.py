@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specplan.engine.verify import (TreeVerifyResult, VerifyResult, emitted_tokens, rejection_sample,
-                                    verify_greedy, verify_tree)
+from specplan.engine.verify import (TreeVerifyResult, VerifyResult, accept_greedy, emitted_tokens,
+                                    rejection_sample, verify_greedy, verify_tree)
 
 V = 6
 P0 = torch.tensor([0.30, 0.05, 0.25, 0.15, 0.25, 0.00])  # target at draft 0; token 5 impossible
@@ -90,6 +90,26 @@ def test_greedy_single_request(drafts, argmax, expected, n_acc):
     assert res.token_lists() == [expected]
     assert res.num_accepted.tolist() == [n_acc]
     assert res.output_token_ids.shape == (1, len(drafts) + 1)
+
+
+@pytest.mark.parametrize("drafts, argmax", [([4, 1, 3], [4, 1, 3, 9]), ([4, 1, 3], [2, 1, 3, 9]),
+                                            ([4, 1, 3], [4, 1, 7, 9]), ([4, 1, 3], [4, 0, 3, 9]), ([], [8])])
+def test_accept_greedy_matches_verify_greedy(drafts, argmax):
+    """The host-side rule the CPU engine uses gives verify_greedy's tokens."""
+    res = verify_greedy(torch.tensor(drafts, dtype=torch.long), cu([len(drafts)]), torch.tensor(argmax))
+    assert accept_greedy(drafts, argmax) == res.token_lists()[0]
+
+
+def test_accept_greedy_matches_verify_greedy_at_random():
+    g = torch.Generator().manual_seed(11)
+    for _ in range(200):
+        d = int(torch.randint(0, 7, (1,), generator=g))
+        argmax = torch.randint(0, 4, (d + 1,), generator=g)  # a small vocabulary: many matches
+        drafts = torch.randint(0, 4, (d,), generator=g)
+        want = verify_greedy(drafts, cu([d]), argmax).token_lists()[0]
+        assert accept_greedy(drafts.tolist(), argmax.tolist()) == want
+    with pytest.raises(ValueError, match="2 drafts need 3 target rows"):
+        accept_greedy([1, 2], [1, 2])
 
 
 def test_greedy_mixed_lengths():
