@@ -33,9 +33,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn, repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    _sync(device)
+def _median_seconds(fn, repeats: int, device: torch.device, warmup: bool = True) -> float:
+    if warmup:
+        fn()
+        _sync(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -64,24 +65,42 @@ def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = 
     return best
 
 
-def measure_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 7) -> float:
-    """Read bandwidth: the faster of a sum over a buffer much larger than any cache and, where the
-    engine has its own projection kernel, that kernel streaming a weight of the same size for one
-    row (what a decode step does to its weights; on CPU it can out-read torch's reduction, and a
-    floor it beats would be no floor). Median of repeats."""
-    from specplan.engine.linear import make_linear, packed_available
+class BandwidthProbe:
+    """Read bandwidth on demand: one pass over a buffer much larger than any cache, by the faster
+    of a sum and, where the engine has its own projection kernel, that kernel streaming a weight
+    of the same size for one row (what a decode step does to its weights; on CPU it can out-read
+    torch's reduction, and a floor it beats would be no floor).
 
-    device = torch.device(device)
-    x = torch.ones(megabytes * 1024**2 // 4, device=device, dtype=torch.float32)
-    best = x.numel() * 4 / _median_seconds(lambda: x.sum(), repeats, device)
-    del x
-    if packed_available(device, torch.float32):
-        k = 4096
-        n = megabytes * 1024**2 // 4 // k
-        linear = make_linear(torch.empty(n, k, device=device).normal_(), packed=True)
-        row = torch.randn(1, k, device=device)
-        best = max(best, n * k * 4 / _median_seconds(lambda: linear(row), repeats, device))
-    return best
+    Kept alive between readings so that a benchmark can read the bandwidth between the steps it
+    times: on a shared VM it moves by 2x within minutes, and a floor from another minute than the
+    step is no floor for it."""
+
+    def __init__(self, device: torch.device | str = "cpu", megabytes: int = 512):
+        from specplan.engine.linear import make_linear, packed_available
+
+        self.device = torch.device(device)
+        self.buffer = torch.ones(megabytes * 1024**2 // 4, device=self.device, dtype=torch.float32)
+        self.linear = self.row = None
+        if packed_available(self.device, torch.float32):
+            k = 4096
+            n = megabytes * 1024**2 // 4 // k
+            self.linear = make_linear(torch.empty(n, k, device=self.device).normal_(), packed=True)
+            self.row = torch.randn(1, k, device=self.device)
+        self.read()  # first touch and warm-up
+
+    def read(self) -> float:
+        """Bytes/s of one pass, the faster of the two ways."""
+        nbytes = self.buffer.numel() * 4
+        best = nbytes / _median_seconds(self.buffer.sum, 1, self.device, warmup=False)
+        if self.linear is not None:
+            best = max(best, nbytes / _median_seconds(lambda: self.linear(self.row), 1, self.device, warmup=False))
+        return best
+
+
+def measure_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 7) -> float:
+    """Read bandwidth (BandwidthProbe), the median of repeats."""
+    probe = BandwidthProbe(device, megabytes)
+    return statistics.median(probe.read() for _ in range(repeats))
 
 
 def measure_ceilings(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
