@@ -68,8 +68,7 @@ class DriftCorrectedLatency:
 class DraftSlopeConfig:
     """How the price of draft tokens is learned (see ``DraftSlope``)."""
 
-    discount: float = 0.98  # per observed speculative step: ~50 steps of memory
-    plain_smoothing: float = 0.1  # EMA weight of a plain step's measured / predicted ratio once warm
+    discount: float = 0.98  # per observed decode step: ~50 steps of memory
     unit_increment: float = 0.1  # a step whose drafts add 10% to its predicted time is one unit of evidence
     prior_units: float = 1.0  # the profile's slope (1) counts as this many units
     optimism: float = 0.5  # with no evidence, exploration prices drafts at (1 - optimism) x the slope
@@ -77,8 +76,8 @@ class DraftSlopeConfig:
     max_slope: float = 4.0
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.discount <= 1.0 or not 0.0 < self.plain_smoothing <= 1.0:
-            raise ValueError("discount and plain_smoothing must be in (0, 1]")
+        if not 0.0 < self.discount <= 1.0:
+            raise ValueError("discount must be in (0, 1]")
         if self.unit_increment <= 0 or self.prior_units <= 0:
             raise ValueError("unit_increment and prior_units must be > 0")
         if not 0.0 <= self.optimism < 1.0:
@@ -89,10 +88,15 @@ class DraftSlopeConfig:
 
 @dataclass
 class _Bucket:
-    log_plain_ratio: float = 0.0  # EMA of log(measured / predicted) over plain steps
+    # Discounted sums over this bucket's decode steps of (x, z): x the model's relative draft
+    # increment (0 for a plain step), z = measured / T(base).
+    w: float = 0.0
+    wx: float = 0.0
+    wxx: float = 0.0
+    wz: float = 0.0
+    wxz: float = 0.0
     plain_steps: int = 0
-    sxy: float = 0.0  # discounted sums for the slope's least squares
-    sxx: float = 0.0
+    evidence: float = 0.0  # sum of x^2 over steps with drafts, discounted only by such steps
 
 
 class DraftSlope:
@@ -106,20 +110,24 @@ class DraftSlope:
 
         step(base + n drafts) = r * [T(base) + s * (T(base + n) - T(base))]
 
-    T the profile's model and r what plain steps of this bucket measured against it lately (an
-    EMA of measured / predicted over steps without drafts). Each speculative step gives a relative
-    increment predicted x = (T(base + n) - T(base)) / T(base) and measured
-    y = measured / (r * T(base)) - 1; s is their least squares through the origin, discounted,
-    starting from s = 1 worth ``prior_units`` steps of a 10% increment. Bigger increments weigh
-    more (they stand out from timing noise). Until a bucket has seen plain steps there is no r to
-    measure against, and s stays at 1: the level and the slope could not be told apart.
+    T the profile's model and r the machine's current level against it. With x = (T(base + n) -
+    T(base)) / T(base) the model's relative increment (0 for a plain step) and z = measured /
+    T(base), that is z = r + (r s) x: a line, fitted by discounted least squares over this bucket's
+    recent decode steps, plain and speculative alike, with s pulled toward the profile's 1 by
+    ``prior_units`` steps' worth of a 10% increment. Why both at once: the level moves with the
+    machine (this VM's bandwidth changes 2x within minutes). Measured against a level taken from
+    plain steps long ago, while the policy speculated on every step since, drafts looked nearly
+    free after the machine sped up (B=4: a slope of 0.3 where +6% per draft was real). Fitted
+    together, the level comes from the same recent steps, and steps with more or fewer drafts tell
+    it apart from the slope. Until a bucket has seen a plain step, s stays at 1.
 
     Exploration: a policy that prices drafts too high turns speculation off and then sees no
     speculative step to learn from. ``explore_slope`` is an optimistic slope for that case,
-    (1 - optimism / (1 + units)) * s: with no evidence, half the model's increment, 3/4 after one
-    unit of evidence, 9/10 after four. The goodput policy tries it only when its own choice is
-    "off" and the optimistic choice is predicted, at the learned slope, to lose at most a small
-    budget; each speculative step measured then moves s toward the truth.
+    (1 - optimism / (1 + units)) * s, units = the steps with drafts seen (their x^2 over 0.1^2,
+    discounted only by later such steps): with no evidence, half the model's increment, 3/4 after
+    one unit, 9/10 after four. The goodput policy tries it only when its own choice is "off" and
+    the optimistic choice is predicted, at the learned slope, to lose at most a small budget; each
+    speculative step measured then moves s toward the truth.
     """
 
     def __init__(self, config: DraftSlopeConfig = DraftSlopeConfig()):
@@ -133,10 +141,20 @@ class DraftSlope:
     def _fit(self, num_seqs: int) -> tuple[float, float]:
         """(slope, units of evidence) for this batch size."""
         cfg = self.config
-        b = self._buckets.get(self.bucket(num_seqs)) or _Bucket()
-        prior = cfg.prior_units * cfg.unit_increment ** 2
-        slope = (prior + b.sxy) / (prior + b.sxx)
-        return max(cfg.min_slope, min(cfg.max_slope, slope)), b.sxx / cfg.unit_increment ** 2
+        b = self._buckets.get(self.bucket(num_seqs))
+        if b is None or b.plain_steps == 0:
+            return 1.0, 0.0
+        # Minimize sum w (z - r - q x)^2 + p (q - r)^2 + eps (r - 1)^2 over (r, q = r s): the prior
+        # p says q = r (s = 1); eps only keeps the system solvable. Normal equations:
+        #   (w + p + eps) r + (wx - p) q = wz + eps
+        #   (wx - p) r + (wxx + p) q = wxz
+        p, eps = cfg.prior_units * cfg.unit_increment ** 2, 1e-6
+        a11, a12, a22 = b.w + p + eps, b.wx - p, b.wxx + p
+        det = a11 * a22 - a12 * a12
+        r = ((b.wz + eps) * a22 - a12 * b.wxz) / det
+        q = (a11 * b.wxz - a12 * (b.wz + eps)) / det
+        slope = q / r if r > 0 else cfg.max_slope
+        return max(cfg.min_slope, min(cfg.max_slope, slope)), b.evidence / cfg.unit_increment ** 2
 
     def slope(self, num_seqs: int) -> float:
         """The learned slope for this batch size."""
@@ -156,22 +174,26 @@ class DraftSlope:
         return b is not None and b.plain_steps > 0
 
     def observe_plain(self, num_seqs: int, predicted_s: float, measured_s: float) -> None:
-        """A step without drafts: what the model's level is worth at this batch size right now."""
-        if not (predicted_s > 0 and measured_s > 0):
-            return
-        b = self._buckets.setdefault(self.bucket(num_seqs), _Bucket())
-        weight = max(self.config.plain_smoothing, 1.0 / (b.plain_steps + 1))
-        b.log_plain_ratio += weight * (math.log(measured_s / predicted_s) - b.log_plain_ratio)
-        b.plain_steps += 1
+        """A decode step without drafts: the machine's level at this batch size right now."""
+        if predicted_s > 0 and measured_s > 0:
+            b = self._buckets.setdefault(self.bucket(num_seqs), _Bucket())
+            self._add(b, 0.0, measured_s / predicted_s)
+            b.plain_steps += 1
 
     def observe_drafts(self, num_seqs: int, base_s: float, with_drafts_s: float, measured_s: float) -> None:
-        """A step that carried drafts: base_s / with_drafts_s are the model's predictions without
-        and with them."""
+        """A decode step that carried drafts: base_s / with_drafts_s are the model's predictions
+        without and with them."""
         if not (self.has_baseline(num_seqs) and base_s > 0 and with_drafts_s > base_s and measured_s > 0):
             return  # no plain baseline yet, or no increment predicted: nothing to learn from
         b = self._buckets[self.bucket(num_seqs)]
         x = (with_drafts_s - base_s) / base_s
-        y = measured_s / (math.exp(b.log_plain_ratio) * base_s) - 1.0
+        self._add(b, x, measured_s / base_s)
+        b.evidence = b.evidence * self.config.discount + x * x
+
+    def _add(self, b: _Bucket, x: float, z: float) -> None:
         d = self.config.discount
-        b.sxy = b.sxy * d + x * y
-        b.sxx = b.sxx * d + x * x
+        b.w = b.w * d + 1.0
+        b.wx = b.wx * d + x
+        b.wxx = b.wxx * d + x * x
+        b.wz = b.wz * d + z
+        b.wxz = b.wxz * d + x * z

@@ -665,6 +665,29 @@ def test_draft_slope_learns_what_drafts_really_cost_per_batch_size():
     assert slope.slope(4) == pytest.approx(0.2, abs=0.06)
 
 
+def test_draft_slope_follows_the_machine_level_while_every_step_speculates():
+    """The machine's level moves (this VM's bandwidth changes 2x within minutes) while the policy
+    drafts on every step, so no plain step shows the new level. The slope must not read the level
+    change as the drafts' cost: drafts cost 0.6x the model's increment throughout, the machine
+    runs 1.0x the model for the first 100 steps, then 0.7x."""
+    from specplan.planner import DraftSlope
+
+    slope = DraftSlope()
+    rng = random.Random(4)
+    for step in range(300):
+        level = 1.0 if step < 100 else 0.7
+        base = 0.02
+        if step < 20:  # plain steps only at the start
+            slope.observe_plain(4, predicted_s=base, measured_s=level * base * rng.uniform(0.99, 1.01))
+            continue
+        x = rng.choice([0.05, 0.1, 0.15, 0.2])  # 1 to 4 drafts in the step
+        measured = level * base * (1 + 0.6 * x) * rng.uniform(0.99, 1.01)
+        slope.observe_drafts(4, base_s=base, with_drafts_s=base * (1 + x), measured_s=measured)
+        if step == 99:
+            assert slope.slope(4) == pytest.approx(0.6, abs=0.15)
+    assert slope.slope(4) == pytest.approx(0.6, abs=0.15)  # measured against the old level: ~0.1 (the floor)
+
+
 @dataclass(frozen=True)
 class _Machine:
     """The 'real' step time the planner measures: ms per base token and per draft token."""
