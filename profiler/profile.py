@@ -66,8 +66,13 @@ class DraftCost(BaseModel):
     per_token: float  # seconds per draft token (per sequence)
 
 
+# How the step grid is measured. 2: each timed step follows a step of its own width (profiler/run.py).
+# A cached profile measured by an older method is measured again rather than reused.
+PROFILE_VERSION = 2
+
+
 class Profile(BaseModel):
-    version: int = 1
+    version: int = PROFILE_VERSION
     fingerprint: Fingerprint
     ceilings: CeilingsModel
     cost: CostConstants

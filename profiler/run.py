@@ -62,11 +62,14 @@ def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8
                 timer.fill(b, ctx)
                 # Round-robin over T: the repeats of one cell are spread over the whole pass, so a
                 # slow spell of this (shared, 2-core) machine does not land on one cell alone.
-                # Pass 0 is the warm-up.
+                # Pass 0 is the warm-up. Each visit times the second of two steps of its width:
+                # a step timed right after a step of another width reads a different cost than in
+                # serving, where consecutive steps have similar widths (B=1, T=9: 1.26-1.32x T=1
+                # right after a change of width, 1.30-1.45x in a run of T=9 steps).
                 runs: dict[int, list] = {t: [] for t in spec.tokens_per_seq}
                 for rep in range(spec.repeats + 1):
                     for t in spec.tokens_per_seq:
-                        timing = timer.time_steps(t, repeats=1, warmup=0)
+                        timing = timer.time_steps(t, repeats=1, warmup=1)
                         if rep:
                             runs[t].append((timing, timer.decider.records[-1]))
                 for t, samples in runs.items():

@@ -7,7 +7,7 @@ import torch
 import typer
 
 from specplan.engine.loader import LoadedModel
-from specplan.profiler.profile import Profile, ProfileError, check_matches, fingerprint
+from specplan.profiler.profile import PROFILE_VERSION, Profile, ProfileError, check_matches, fingerprint
 from specplan.profiler.run import default_profile_path, profile_cache_dir, run_profile
 
 
@@ -28,6 +28,9 @@ def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: t
         try:
             profile = Profile.load(cached)
             check_matches(profile, current, cached)
+            if profile.version < PROFILE_VERSION:
+                raise ProfileError(f"profile {cached} was measured by an older profiler "
+                                   f"(method {profile.version}, now {PROFILE_VERSION})")
             typer.secho(f"[using profile {cached}]", err=True, fg=typer.colors.BRIGHT_BLACK)
             return profile
         except ProfileError as e:

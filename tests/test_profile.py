@@ -33,6 +33,27 @@ def test_grid_covers_every_cell(tiny_profile):
     assert profile.predict(StepShape(2, 6, 100)) > 0
 
 
+def test_each_timed_step_follows_a_step_of_its_own_width(monkeypatch):
+    """Serving runs steps of similar widths back to back; a step timed right after another width
+    reads a different cost (profiler/run.py), so every timed step must follow one of its width."""
+    from specplan.profiler.step_timer import StepTimer
+
+    steps = []  # (width T, timed?) of every step the grid runs through the timer, in order
+    real = StepTimer.time_steps
+
+    def spy(self, tokens_per_seq, repeats, warmup=1):
+        steps.extend([(tokens_per_seq, False)] * warmup + [(tokens_per_seq, True)] * repeats)
+        return real(self, tokens_per_seq, repeats, warmup)
+
+    monkeypatch.setattr(StepTimer, "time_steps", spy)
+    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32, num_hidden_layers=1))
+    measure_grid(loaded, GridSpec(batch_sizes=(2,), tokens_per_seq=(1, 3, 2), contexts=(16,), repeats=2),
+                 layer_skip_layers=1, progress=False)
+    timed = [i for i, (_, is_timed) in enumerate(steps) if is_timed]
+    assert len(timed) >= 3 * 3  # three widths, warm-up pass and two repeats
+    assert all(i > 0 and steps[i - 1][0] == steps[i][0] for i in timed)
+
+
 def test_profile_round_trips_and_report_renders(tiny_profile, tmp_path):
     loaded, grid, profile = tiny_profile
     path = tmp_path / "p.json"
@@ -87,3 +108,19 @@ def test_planner_from_profile_steers_the_engine(tiny_profile):
         params = SamplingParams(temperature=0.0, max_tokens=20)
         assert llm.generate(prompt, params)[0].token_ids == plain.generate(prompt, params)[0].token_ids
         assert planner.num_decisions > 0
+
+
+def test_a_cached_profile_from_an_older_profiler_is_measured_again(tiny_profile, tmp_path, monkeypatch):
+    import specplan.adaptive as adaptive
+    from specplan.profiler.profile import PROFILE_VERSION
+
+    loaded, _, profile = tiny_profile
+    cached = tmp_path / "cached.json"
+    monkeypatch.setattr(adaptive, "default_profile_path", lambda current: cached)
+    fresh = []
+    monkeypatch.setattr(adaptive, "run_profile", lambda **kw: fresh.append(kw) or (profile, cached, tmp_path / "r.md"))
+    profile.model_copy(update={"version": PROFILE_VERSION}).save(cached)
+    assert adaptive.load_or_make_profile(loaded, None).version == PROFILE_VERSION and not fresh  # reused
+    profile.model_copy(update={"version": PROFILE_VERSION - 1}).save(cached)
+    adaptive.load_or_make_profile(loaded, None)
+    assert len(fresh) == 1  # measured again
