@@ -48,11 +48,13 @@ class PackedLinear(Linear):
         self.weight = None
         self.bias = None if bias is None else bias.contiguous()
         self.out_features = weight.shape[0]
+        self._op = torch.ops.specplan_linear.packed_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous():  # the model's [N, hidden] rows: no reshape round trip
+            return self._op(x, self.packed, self.out_features, self.bias)
         lead = x.shape[:-1]
-        y = torch.ops.specplan_linear.packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), self.packed,
-                                                    self.out_features, self.bias)
+        y = self._op(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.out_features, self.bias)
         return y.view(*lead, self.out_features)
 
 
