@@ -76,15 +76,19 @@ class BandwidthProbe:
     step is no floor for it."""
 
     def __init__(self, device: torch.device | str = "cpu", megabytes: int = 512):
-        from specplan.engine.linear import make_linear, packed_available
+        from specplan.engine.huge_pages import huge_page_zeros
+        from specplan.engine.linear import make_linear, move_to_huge_pages, packed_available
 
         self.device = torch.device(device)
-        self.buffer = torch.ones(megabytes * 1024**2 // 4, device=self.device, dtype=torch.float32)
+        numel = megabytes * 1024**2 // 4
+        # On the same 2 MB pages as the engine's weights and KV cache (they read faster there).
+        self.buffer = (huge_page_zeros((numel,), torch.float32) if self.device.type == "cpu"
+                       else torch.zeros(numel, device=self.device)).fill_(1.0)
         self.linear = self.row = None
         if packed_available(self.device, torch.float32):
             k = 4096
-            n = megabytes * 1024**2 // 4 // k
-            self.linear = make_linear(torch.empty(n, k, device=self.device).normal_(), packed=True)
+            self.linear = make_linear(torch.empty(numel // k, k, device=self.device).normal_(), packed=True)
+            move_to_huge_pages([self.linear])
             self.row = torch.randn(1, k, device=self.device)
         self.read()  # first touch and warm-up
 
