@@ -101,17 +101,18 @@ class BandwidthProbe:
         return best
 
 
-def measure_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 7) -> float:
-    """Read bandwidth (BandwidthProbe), the median of repeats."""
-    probe = BandwidthProbe(device, megabytes)
+def measure_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 7,
+                      probe: BandwidthProbe | None = None) -> float:
+    """Read bandwidth (a BandwidthProbe's, made here unless given), the median of repeats."""
+    probe = probe or BandwidthProbe(device, megabytes)
     return statistics.median(probe.read() for _ in range(repeats))
 
 
 def measure_ceilings(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                     repeats: int = 7) -> Ceilings:
+                     repeats: int = 7, probe: BandwidthProbe | None = None) -> Ceilings:
     device = torch.device(device)
     return Ceilings(
         peak_flops=measure_peak_flops(device, dtype, repeats=repeats),
-        bandwidth=measure_bandwidth(device, repeats=repeats),
+        bandwidth=measure_bandwidth(device, repeats=repeats, probe=probe),
         device=str(device), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
     )

@@ -114,6 +114,7 @@ def run_step_grid(loaded: LoadedModel, hf_model, ceilings: Ceilings, batch_sizes
                         hf_s[t].append(theirs.time_step(t))
                     bar.advance(task)
                 bandwidths.append(probe.read())
+            bandwidth = statistics.median(bandwidths)
             for t in tokens_per_seq:
                 cost = decode_step_cost(loaded.config, b, t, context)
                 rows.append({
@@ -121,8 +122,8 @@ def run_step_grid(loaded: LoadedModel, hf_model, ceilings: Ceilings, batch_sizes
                     "specplan_ms": 1e3 * statistics.median(spec_s[t]),
                     "hf_ms": 1e3 * statistics.median(hf_s[t]) if hf_s[t] else float("nan"),
                     "floor_ms": 1e3 * cost.roofline_seconds(ceilings.peak_flops, ceilings.bandwidth),
-                    "bandwidth_alongside": statistics.median(bandwidths),
-                    "floor_alongside_ms": 1e3 * cost.roofline_seconds(ceilings.peak_flops, statistics.median(bandwidths)),
+                    "bandwidth_alongside": bandwidth,
+                    "floor_alongside_ms": 1e3 * cost.roofline_seconds(ceilings.peak_flops, bandwidth),
                     "intensity": cost.intensity, "bound": cost.bound(ceilings.ridge),
                     "specplan_all_ms": [1e3 * x for x in spec_s[t]], "hf_all_ms": [1e3 * x for x in hf_s[t]],
                 })
@@ -261,9 +262,10 @@ def run_engine_bench(out_dir: Path = Path("reports"), model: str | None = None, 
                      new_tokens: int = 128, include_hf: bool = True, llama_cpp_gguf: Path | None = None,
                      progress: bool = True, command: str = "specplan bench engine") -> Path:
     loaded = load_model(model)
-    ceilings = measure_ceilings()
+    probe = BandwidthProbe()  # one 1 GB probe for the ceilings and the readings beside the steps
+    ceilings = measure_ceilings(probe=probe)
     hf_model = load_hf_model(loaded) if include_hf else None
-    grid = run_step_grid(loaded, hf_model, ceilings, batch_sizes, tokens_per_seq, context, repeats, progress)
+    grid = run_step_grid(loaded, hf_model, ceilings, batch_sizes, tokens_per_seq, context, repeats, progress, probe)
     prompt = "def quicksort(arr):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
     generation = run_generation(loaded, hf_model, prompt, new_tokens, max(3, repeats), llama_cpp_gguf, progress)
     return render_engine_report(grid, generation, ceilings, loaded.name, out_dir, command)
