@@ -24,6 +24,8 @@ class RequestView:
     # Drafts the proposer already has for this request this step (a lookup proposer is asked
     # before the decision: it costs next to nothing); None when unknown until k is chosen.
     available_drafts: int | None = None
+    # How many trailing tokens the lookup matched to find those drafts (DraftTokens.match_length).
+    match_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class RequestRecord:
     num_accepted: int  # accepted drafts (the bonus / recovered token not counted)
     num_emitted: int  # tokens appended this step (accepted + 1, less if a stop truncated)
     natural_k: int | None = None  # the proposer's own preferred length, if it has one
+    match_length: int | None = None  # trailing tokens the lookup matched (DraftTokens.match_length)
 
     @property
     def accepted_per_position(self) -> tuple[bool, ...]:

@@ -65,8 +65,9 @@ class Speculator:
             caps = [min(cap, ahead.num_drafts(i)) for i, cap in enumerate(caps)]
         view = StepView(
             requests=tuple(RequestView(s.seq_id, s.request_id, s.num_tokens, s.num_output_tokens, cap,
-                                       s.params.greedy, cap if up_front else None)
-                           for s, cap in zip(seqs, caps)),
+                                       s.params.greedy, cap if up_front else None,
+                                       ahead.match_length[i] if ahead is not None and ahead.match_length else None)
+                           for i, (s, cap) in enumerate(zip(seqs, caps))),
             proposer=self.proposer.name, draft_budget=budget, **view_extra)
         t0 = time.perf_counter()
         asked = self.decider.decide(view)
@@ -85,7 +86,7 @@ class Speculator:
             drafts = None
         elif ahead is not None:
             drafts = DraftTokens([t[:ki] for t, ki in zip(ahead.token_ids, k)], natural_k=ahead.natural_k,
-                                 seconds=ahead.seconds)
+                                 match_length=ahead.match_length, seconds=ahead.seconds)
         else:
             drafts = self.proposer.propose(seqs, k)
         return Proposal(k, drafts, decide_s)

@@ -21,6 +21,14 @@ Two things decide what k drafts are worth, and both are learned here from ``Requ
   Trees (suffix) are read as chains of their node count, which undercounts their acceptance a
   little (a fully accepted branch shorter than the tree counts one rejection): conservative.
 
+* **match length** – a lookup proposer that drafts before the decision (n-gram) also says how
+  many trailing tokens it matched. That predicts acceptance better than anything else it knows:
+  measured on SmolLM2-135M, greedy, 1-4 tokens matched, the first draft is accepted 21/52/68/81%
+  of the time and each later one 64/74/77/88%. So the planner keeps one belief per match-length
+  bucket (``match_bucket``), each with its own prior (``ProposerPrior.by_match_length``), and
+  values a draft by the belief of the match that found it: drafts after a 1-token match can stay
+  off while those after a 4-token match run deep, in the same request.
+
 Both statistics are kept per request (discounted, so a request that moves from copying its prompt
 to free text is tracked) on top of a pooled prior per (proposer, workload) that learns from every
 observed request, so a new request starts from what its neighbours showed.
@@ -28,6 +36,7 @@ observed request, so a new request starts from what its neighbours showed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from operator import mul
@@ -94,6 +103,30 @@ class ProposerPrior:
     # suffix proposer's is a preference from the match length, not what it could produce).
     natural_k_exact_below: int | None = None
     alpha_first: float | None = None  # prior acceptance of the first draft; None: alpha
+    # (alpha_first, alpha) after a lookup matched 1, 2, ... trailing tokens (the last entry also
+    # covers longer matches); empty: the proposer reports no match length (see ``for_match``).
+    by_match_length: tuple[tuple[float, float], ...] = ()
+
+    def for_match(self, bucket: int) -> "ProposerPrior":
+        """The prior for drafts found by a match in ``bucket`` (``match_bucket``): the proposal
+        exists, and its acceptance is the one measured after matches of that length."""
+        if not self.by_match_length:
+            return self
+        alpha_first, alpha = self.by_match_length[min(bucket, len(self.by_match_length)) - 1]
+        return dataclasses.replace(self, alpha=alpha, alpha_first=alpha_first, p_first=1.0, by_match_length=())
+
+
+# Matches of this many trailing tokens or more share one bucket: the n-gram proposer matches at
+# most 4 by default, and past that the acceptance hardly depends on the length.
+MAX_MATCH_BUCKET = 4
+
+
+def match_bucket(match_length: int | None) -> int | None:
+    """Which acceptance belief a draft found by a ``match_length``-token lookup belongs to (None:
+    no match length known, or no match, so the request's one belief for the proposer)."""
+    if match_length is None or match_length <= 0:
+        return None
+    return min(match_length, MAX_MATCH_BUCKET)
 
 
 # Proposers that look drafts up in text (no model forward): often no match, drafting ~free.
@@ -103,7 +136,10 @@ LOOKUP_PROPOSERS = frozenset({"ngram", "suffix"})
 # proposer reports natural_k = min(available, max_natural_k), 8 by default in the engine.
 _MODEL_PRIOR = ProposerPrior(alpha=0.6, p_first=1.0, p_continue=1.0)
 DEFAULT_PRIORS: Mapping[str, ProposerPrior] = MappingProxyType({
-    "ngram": ProposerPrior(alpha=0.7, p_first=0.6, p_continue=0.85, natural_k_exact_below=8, alpha_first=0.5),
+    # by_match_length: measured on SmolLM2-135M, greedy, 24 prompts per workload that the
+    # evaluation does not use (1-4 tokens matched: first draft 21/52/68/81%, later 64/74/77/88%).
+    "ngram": ProposerPrior(alpha=0.7, p_first=0.6, p_continue=0.85, natural_k_exact_below=8, alpha_first=0.5,
+                           by_match_length=((0.2, 0.65), (0.5, 0.75), (0.65, 0.75), (0.8, 0.85))),
     "suffix": ProposerPrior(alpha=0.7, p_first=0.6, p_continue=0.85, alpha_first=0.5),
 })
 

@@ -13,13 +13,14 @@ attribute only, so importing it does not pull in the engine (or torch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..policies.base import Outcome, Policy, PolicyState, RequestState, Roofline
 from ..policies.registry import make_policy
 from ..profiler.latency_model import LatencyModel, StepShape
-from .acceptance import LOOKUP_PROPOSERS, AcceptanceConfig, PooledAcceptance, ProposerPrior, RequestAcceptance, default_prior
+from .acceptance import (LOOKUP_PROPOSERS, AcceptanceConfig, PooledAcceptance, ProposerPrior, RequestAcceptance,
+                         default_prior, match_bucket)
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
 from .goodput import DraftCost
 from .timing import StepTimingLearner, TimingConfig
@@ -32,7 +33,11 @@ if TYPE_CHECKING:  # protocol and data types only; importing the engine package 
 class _Tracked:
     """The planner's memory of one request."""
 
-    acceptance: RequestAcceptance
+    pool_key: tuple[str, str, bool]  # (proposer, workload, greedy)
+    # One acceptance belief per match-length bucket (planner/acceptance.py ``match_bucket``; None
+    # for drafts without a match length): after a 1-token n-gram match a first draft is accepted
+    # ~20% of the time, after a 4-token one ~80%, and a request's drafts mix both.
+    by_match: dict[int | None, RequestAcceptance] = field(default_factory=dict)
     last_outcome: Outcome | None = None
     last_seen_step: int = 0
 
@@ -90,8 +95,9 @@ class Planner:
         if self.acceptance_config.max_k < max_k:
             raise ValueError(f"acceptance max_k {self.acceptance_config.max_k} < planner max_k {max_k}")
         self.forget_after_steps = forget_after_steps
-        # Pools per (proposer, workload, greedy): sampled requests accept less than greedy ones.
-        self._pools: dict[tuple[str, str, bool], PooledAcceptance] = {}
+        # Pools per (proposer, workload, greedy, match bucket): sampled requests accept less than
+        # greedy ones, drafts from short lookup matches less than from long ones.
+        self._pools: dict[tuple[str, str, bool, int | None], PooledAcceptance] = {}
         self._requests: dict[int, _Tracked] = {}
         self._step = 0
         self.last_state: PolicyState | None = None
@@ -119,11 +125,14 @@ class Planner:
                                             fit_per_pass=proposer not in LOOKUP_PROPOSERS)
         return self.timing
 
-    def pool(self, proposer: str, workload: str, greedy: bool = True) -> PooledAcceptance:
-        key = (proposer, workload, greedy)
+    def pool(self, proposer: str, workload: str, greedy: bool = True, match: int | None = None) -> PooledAcceptance:
+        """The pooled belief for new requests' drafts; ``match``: a match-length bucket."""
+        key = (proposer, workload, greedy, match)
         p = self._pools.get(key)
         if p is None:
             prior = (self.priors or {}).get(proposer) or default_prior(proposer)
+            if match is not None:
+                prior = prior.for_match(match)
             p = self._pools[key] = PooledAcceptance(prior, self.acceptance_config)
         return p
 
@@ -131,8 +140,16 @@ class Planner:
         t = self._requests.get(seq_id)
         if t is None:
             tag = self.workload_of(request_id) if self.workload_of is not None else self.workload
-            t = self._requests[seq_id] = _Tracked(RequestAcceptance(self.pool(proposer, tag, greedy)))
+            t = self._requests[seq_id] = _Tracked((proposer, tag, greedy))
         return t
+
+    def acceptance(self, t: _Tracked, match_length: int | None) -> RequestAcceptance:
+        """A request's belief about drafts found by a ``match_length``-token lookup."""
+        bucket = match_bucket(match_length)
+        acc = t.by_match.get(bucket)
+        if acc is None:
+            acc = t.by_match[bucket] = RequestAcceptance(self.pool(*t.pool_key, match=bucket))
+        return acc
 
     def _forget_stale(self) -> None:
         # Finished requests simply stop appearing; a preempted one may come back, so wait a while.
@@ -151,7 +168,7 @@ class Planner:
         for rv in view.requests:
             t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
             t.last_seen_step = step
-            acc = t.acceptance
+            acc = self.acceptance(t, getattr(rv, "match_length", None))
             estimate = acc.estimate()
             available = getattr(rv, "available_drafts", None)  # proposed before deciding (n-gram)
             if available is not None:
@@ -186,8 +203,9 @@ class Planner:
         total_drafts = deepest = 0
         for rr in record.requests:
             t = self._tracked(rr.seq_id, rr.request_id, proposer)
-            t.acceptance.observe(rr.k, rr.num_proposed, rr.num_accepted, rr.natural_k)
-            touched.add(t.acceptance.pool)
+            acc = self.acceptance(t, getattr(rr, "match_length", None))
+            acc.observe(rr.k, rr.num_proposed, rr.num_accepted, rr.natural_k)
+            touched.add(acc.pool)
             if rr.k > 0:
                 t.last_outcome = Outcome(rr.k, rr.num_proposed, rr.num_accepted)
                 total_drafts += rr.k

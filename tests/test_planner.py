@@ -21,7 +21,7 @@ from specplan.engine.decider import RequestRecord, RequestView, SpecDecider, Ste
 from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, DraftSlopeConfig, DriftCorrection, Planner,
                               PooledAcceptance, RequestAcceptance, StepCostModel, StepTimingLearner, allocate,
                               expected_tokens, step_goodput)
-from specplan.planner.acceptance import ProposerPrior, default_prior
+from specplan.planner.acceptance import ProposerPrior, default_prior, match_bucket
 from specplan.profiler.latency_model import StepShape
 
 from conftest import RidgeLatency
@@ -552,6 +552,49 @@ def test_planner_pools_priors_per_workload():
     planner.decide(tagged(["code-0", "chat-1", "code-2", "chat-3"]))
     fresh = {r.request_id: r.acceptance.alpha_first for r in planner.last_state.requests[2:]}
     assert fresh["code-2"] > 0.8 and fresh["chat-3"] < 0.35
+
+
+def test_match_buckets():
+    assert [match_bucket(m) for m in (None, 0, 1, 2, 3, 4, 7)] == [None, None, 1, 2, 3, 4, 4]
+    prior = default_prior("ngram")
+    firsts = [prior.for_match(b).alpha_first for b in (1, 2, 3, 4)]
+    assert firsts == sorted(firsts) and firsts[0] < 0.3 < 0.7 < firsts[-1]
+    assert prior.for_match(2).p_first == 1.0  # a match means there is a proposal
+    assert default_prior("draft").for_match(3) == default_prior("draft")  # no match lengths: one belief
+
+
+def test_planner_learns_acceptance_per_match_length():
+    # One request whose drafts after a 1-token match are always rejected and after a 4-token match
+    # always accepted: the two beliefs move apart, from the ngram prior, and each drives its own k.
+    latency = RidgeLatency(a=0.03, b=0.003)  # each draft adds 10% to a step
+    planner = Planner("goodput", latency)
+
+    def shown(match: int) -> StepView:
+        return StepView((RequestView(0, "r0", 500, 10, 8, True, 8, match),), 0, 0, 500, "ngram")
+
+    def outcome(k: int, match: int) -> StepRecord:
+        acc = k if match == 4 else 0
+        forward_s = latency.predict(StepShape(1, 1 + k, 500 + k))  # the model is right
+        return StepRecord((RequestRecord(0, "r0", k, k, acc, acc + 1, natural_k=8, match_length=match),),
+                          1, 1 + k, 0, 500 + k, 0.0, forward_s, 0.0, forward_s + 0.001)
+
+    for step in range(60):
+        match = 4 if step % 2 else 1
+        planner.observe(outcome(max(planner.decide(shown(match))[0], 1), match))
+    planner.decide(shown(1))
+    short = planner.last_state.requests[0].acceptance
+    planner.decide(shown(4))
+    long = planner.last_state.requests[0].acceptance
+    assert short.alpha_first < 0.1 and long.alpha_first > 0.9
+    assert planner.decide(shown(1)) == [0] and planner.decide(shown(4)) == [8]
+    # Without match lengths the same outcomes blur into one belief in between.
+    blurred = Planner("goodput", latency)
+    for step in range(60):
+        match = 4 if step % 2 else 1
+        rec = outcome(1, match)
+        blurred.observe(dataclasses.replace(rec, requests=(dataclasses.replace(rec.requests[0], match_length=None),)))
+    blurred.decide(view(1))
+    assert 0.3 < blurred.last_state.requests[0].acceptance.alpha_first < 0.7
 
 
 def test_planner_feeds_the_heuristic_its_last_outcomes():

@@ -108,6 +108,16 @@ def test_ngram_no_match_and_k_zero():
     assert NgramProposer(min_n=2).propose([make_seq([1, 2, 3, 1])], [3]).token_ids == [[]]
 
 
+def test_ngram_reports_how_many_tokens_it_matched():
+    # [.., 7, 8, 9] ends with 8, 9 (matched at 1-2), 9 alone (at 4), and nothing longer: n = 2.
+    seqs = [make_seq([7, 8, 9, 1, 9, 5, 8, 9], 0), make_seq([1, 2, 3, 1], 1), make_seq([1, 2, 3, 4], 2),
+            make_seq([4, 5, 6, 7, 4, 5, 6, 7], 3)]
+    d = NgramProposer(max_n=4).propose(seqs, [3, 3, 3, 0])
+    assert d.match_length == [2, 1, 0, 0]  # k = 0: not looked up
+    assert d.token_ids == [[1, 9, 5], [2, 3, 1], [], []]
+    assert NgramProposer(max_n=4).propose(seqs[3:], [2]).match_length == [4]  # capped at max_n
+
+
 def test_ngram_natural_k_is_capped():
     toks = list(range(30)) + [0, 1, 2]
     d = NgramProposer(max_natural_k=8).propose([make_seq(toks)], [4])

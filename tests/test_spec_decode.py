@@ -123,9 +123,14 @@ def test_lookup_drafts_are_shown_to_the_decider_before_it_decides(model, baselin
     assert all(0 <= v.draft_budget <= budget - len(v.requests) for v in decider.views)
     for view, rec in zip(decider.views, [rec for rec in decider.records if rec.requests]):
         assert sum(rr.k for rr in rec.requests) <= view.draft_budget
+    matched = [r.match_length for v in decider.views for r in v.requests]
     if not up_front:  # a tree proposer is asked after the decision, as before
-        assert set(shown) == {None}
+        assert set(shown) == {None} and set(matched) == {None}
         return
+    # The n-gram's match length comes with the drafts: 1..4 with a match, 0 without one (None
+    # when no request could take a draft, so the proposer was not asked).
+    assert all(((m or 0) == 0) == (a == 0) and 0 <= (m or 0) <= 4 for m, a in zip(matched, shown))
+    assert max(m or 0 for m in matched) > 1
     assert None not in shown and 0 in shown and max(shown) > 0  # some requests had no match
     decode_steps = [rec for rec in decider.records if rec.requests]  # prefill-only steps are not decided
     assert len(decode_steps) == len(decider.views)
@@ -133,6 +138,8 @@ def test_lookup_drafts_are_shown_to_the_decider_before_it_decides(model, baselin
         for rv, rr in zip(view.requests, rec.requests):
             assert rv.max_k <= rv.available_drafts  # the cap says what exists
             assert rr.k <= rv.available_drafts and rr.num_proposed == rr.k  # asked no more than there was
+            if rr.k:  # the record says which lookup the drafts came from
+                assert rr.match_length == rv.match_length
 
 
 def test_stop_inside_accepted_run_truncates(model):

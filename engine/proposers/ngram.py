@@ -124,12 +124,10 @@ class NgramProposer:
             raise ValueError(f"got {len(seqs)} sequences but {len(k)} k values")
         out: list[list[int]] = []
         natural: list[int] = []
+        matched: list[int] = []
         for seq, ki in zip(seqs, k):
-            if ki <= 0:
-                out.append([])
-                natural.append(0)
-                continue
-            n, e = self.match(seq)
+            n, e = self.match(seq) if ki > 0 else (0, -1)
+            matched.append(n)
             if n == 0:
                 out.append([])
                 natural.append(0)
@@ -138,7 +136,7 @@ class NgramProposer:
             available = len(toks) - e  # >= 1: e <= L - 1
             out.append(toks[e:e + ki])
             natural.append(min(available, self.max_natural_k))
-        return DraftTokens(token_ids=out, natural_k=natural, seconds=time.perf_counter() - t0)
+        return DraftTokens(token_ids=out, natural_k=natural, match_length=matched, seconds=time.perf_counter() - t0)
 
     def on_finished(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
