@@ -22,7 +22,7 @@ from ..profiler.latency_model import LatencyModel, StepShape
 from .acceptance import (LOOKUP_PROPOSERS, AcceptanceConfig, PooledAcceptance, ProposerPrior, RequestAcceptance,
                          default_prior, match_bucket)
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
-from .goodput import DraftCost
+from .goodput import DraftCost, priced_seconds
 from .timing import StepTimingLearner, TimingConfig
 
 if TYPE_CHECKING:  # protocol and data types only; importing the engine package would import torch
@@ -179,12 +179,13 @@ class Planner:
         num_decodes = len(reqs)
         base = StepShape(num_decodes + view.num_prefill_seqs, num_decodes + view.num_prefill_tokens,
                          view.context_tokens)
+        price = self.draft_slope.price(num_decodes)
         state = PolicyState(requests=tuple(reqs), base=base, proposer=proposer,
                             workload=self.workload, max_k=planner_cap, latency=self.latency,
                             draft_cost=self.draft_cost, overhead_s=self.overhead_s,
                             sla_itl_s=self.sla_itl_s, roofline=self.roofline,
-                            draft_slope=self.draft_slope.slope(num_decodes),
-                            explore_slope=self.draft_slope.explore_slope(num_decodes),
+                            draft_slope=price.slope, explore_slope=self.draft_slope.explore_slope(num_decodes, price),
+                            draft_jump=price.jump,
                             draft_budget=getattr(view, "draft_budget", None))
         ks = self.policy.choose(state)
         if len(ks) != num_decodes:
@@ -237,6 +238,7 @@ class Planner:
             return
         base_s = model.predict(StepShape(record.num_seqs, record.num_tokens - drafts, record.context_tokens - drafts))
         with_drafts_s = model.predict(shape)
-        self.drift.update(base_s + self.draft_slope.slope(num_decodes) * (with_drafts_s - base_s), measured)
+        price = self.draft_slope.price(num_decodes)
+        self.drift.update(priced_seconds(base_s, with_drafts_s, price.slope, price.jump), measured)
         if decode_only:
             self.draft_slope.observe_drafts(num_decodes, base_s, with_drafts_s, measured)

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from ..profiler.latency_model import LatencyModel, StepShape
+from .timing import solve3
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,13 @@ class DraftSlopeConfig:
     optimism: float = 0.5  # with no evidence, exploration prices drafts at (1 - optimism) x the slope
     min_slope: float = 0.1
     max_slope: float = 4.0
+    # The jump's prior (0) counts as this many steps with a residual of one unit_increment: far
+    # more than the slope's, so that steps with one draft count alone (where a scale and a jump
+    # explain the cost alike) move the slope, and the jump follows only from steps of different
+    # draft counts whose costs do not sit on a line through the plain step. Very large values pin
+    # it to 0 (one slope for the whole increment).
+    jump_prior_units: float = 100.0
+    max_jump: float = 0.5  # |jump| stays within half a base step
 
     def __post_init__(self) -> None:
         if not 0.0 < self.discount <= 1.0:
@@ -84,19 +92,33 @@ class DraftSlopeConfig:
             raise ValueError(f"optimism must be in [0, 1), got {self.optimism}")
         if not 0.0 < self.min_slope <= 1.0 <= self.max_slope:
             raise ValueError("need 0 < min_slope <= 1 <= max_slope")
+        if self.jump_prior_units <= 0 or self.max_jump < 0:
+            raise ValueError("jump_prior_units must be > 0 and max_jump >= 0")
 
 
 @dataclass
 class _Bucket:
-    # Discounted sums over this bucket's decode steps of (x, z): x the model's relative draft
-    # increment (0 for a plain step), z = measured / T(base).
+    # Discounted sums over this bucket's decode steps of (x, d, z): x the model's relative draft
+    # increment (0 for a plain step), d = 1 for a step with drafts, z = measured / T(base).
     w: float = 0.0
     wx: float = 0.0
     wxx: float = 0.0
+    wd: float = 0.0  # = sum w d d
+    wxd: float = 0.0
     wz: float = 0.0
     wxz: float = 0.0
+    wdz: float = 0.0
     plain_steps: int = 0
     evidence: float = 0.0  # sum of x^2 over steps with drafts, discounted only by such steps
+
+
+@dataclass(frozen=True)
+class DraftPrice:
+    """What drafts cost at one batch size, against the latency model (``DraftSlope``)."""
+
+    slope: float = 1.0  # x the model's increment
+    jump: float = 0.0  # + this x the base step, once a step carries drafts
+    units: float = 0.0  # evidence behind them, in steps with a 10% increment
 
 
 class DraftSlope:
@@ -121,6 +143,15 @@ class DraftSlope:
     together, the level comes from the same recent steps, and steps with more or fewer drafts tell
     it apart from the slope. Until a bucket has seen a plain step, s stays at 1.
 
+    The jump: the model's increment can be wrong in shape as well as in scale. On this CPU a fitted
+    profile priced the first draft of a B=1 step at +18% of the step and each further one at +8%,
+    where serving measured about +3% for one draft, +5% for two and +18% for three. One slope
+    cannot fit both ends. So the line has a third term, z = r + (r s) x + (r j) d with d = 1 for a
+    step with drafts: j is what having drafts at all costs beyond the slope, relative to the base
+    step (negative when the model's first draft is too dear), pulled toward 0 by
+    ``jump_prior_units`` steps. Steps with different numbers of drafts tell j from s. Drafts are
+    then priced at max(0, s (T(base + n) - T(base)) + j T(base)) (``priced_seconds``).
+
     Exploration: a policy that prices drafts too high turns speculation off and then sees no
     speculative step to learn from. ``explore_slope`` is an optimistic slope for that case,
     (1 - optimism / (1 + units)) * s, units = the steps with drafts seen (their x^2 over 0.1^2,
@@ -138,35 +169,37 @@ class DraftSlope:
     def bucket(num_seqs: int) -> int:
         return max(num_seqs, 1).bit_length()  # 1 -> 1, 2-3 -> 2, 4-7 -> 3, ...
 
-    def _fit(self, num_seqs: int) -> tuple[float, float]:
-        """(slope, units of evidence) for this batch size."""
+    def price(self, num_seqs: int) -> DraftPrice:
+        """The learned slope and jump for this batch size."""
         cfg = self.config
         b = self._buckets.get(self.bucket(num_seqs))
         if b is None or b.plain_steps == 0:
-            return 1.0, 0.0
-        # Minimize sum w (z - r - q x)^2 + p (q - r)^2 + eps (r - 1)^2 over (r, q = r s): the prior
-        # p says q = r (s = 1); eps only keeps the system solvable. Normal equations:
-        #   (w + p + eps) r + (wx - p) q = wz + eps
-        #   (wx - p) r + (wxx + p) q = wxz
-        p, eps = cfg.prior_units * cfg.unit_increment ** 2, 1e-6
-        a11, a12, a22 = b.w + p + eps, b.wx - p, b.wxx + p
-        det = a11 * a22 - a12 * a12
-        r = ((b.wz + eps) * a22 - a12 * b.wxz) / det
-        q = (a11 * b.wxz - a12 * (b.wz + eps)) / det
+            return DraftPrice()
+        # Minimize sum w (z - r - q x - v d)^2 + p (q - r)^2 + pj v^2 + eps (r - 1)^2 over
+        # (r, q = r s, v = r j): the priors say s = 1 and j = 0; eps only keeps the system
+        # solvable. Normal equations, rows d/dr, d/dq, d/dv:
+        #   (w + p + eps) r + (wx - p) q + wd v         = wz + eps
+        #   (wx - p) r      + (wxx + p) q + wxd v       = wxz
+        #   wd r            + wxd q       + (wd + pj) v = wdz
+        p, pj, eps = cfg.prior_units * cfg.unit_increment ** 2, cfg.jump_prior_units * cfg.unit_increment ** 2, 1e-6
+        r, q, v = solve3([[b.w + p + eps, b.wx - p, b.wd], [b.wx - p, b.wxx + p, b.wxd], [b.wd, b.wxd, b.wd + pj]],
+                         [b.wz + eps, b.wxz, b.wdz])
         slope = q / r if r > 0 else cfg.max_slope
-        return max(cfg.min_slope, min(cfg.max_slope, slope)), b.evidence / cfg.unit_increment ** 2
+        jump = v / r if r > 0 else 0.0
+        return DraftPrice(max(cfg.min_slope, min(cfg.max_slope, slope)), max(-cfg.max_jump, min(cfg.max_jump, jump)),
+                          b.evidence / cfg.unit_increment ** 2)
 
     def slope(self, num_seqs: int) -> float:
         """The learned slope for this batch size."""
-        return self._fit(num_seqs)[0]
+        return self.price(num_seqs).slope
 
-    def explore_slope(self, num_seqs: int) -> float:
+    def explore_slope(self, num_seqs: int, price: DraftPrice | None = None) -> float:
         """The learned slope, made optimistic while evidence is thin; not before a plain step of
         this batch size was seen (a probe could teach nothing without one to compare with)."""
-        slope, units = self._fit(num_seqs)
+        price = price or self.price(num_seqs)
         if not self.has_baseline(num_seqs):
-            return slope
-        return slope * (1.0 - self.config.optimism / (1.0 + units))
+            return price.slope
+        return price.slope * (1.0 - self.config.optimism / (1.0 + price.units))
 
     def has_baseline(self, num_seqs: int) -> bool:
         """Whether a plain step of this batch size was seen (what speculative steps are measured against)."""
@@ -187,13 +220,16 @@ class DraftSlope:
             return  # no plain baseline yet, or no increment predicted: nothing to learn from
         b = self._buckets[self.bucket(num_seqs)]
         x = (with_drafts_s - base_s) / base_s
-        self._add(b, x, measured_s / base_s)
+        self._add(b, x, measured_s / base_s, drafted=True)
         b.evidence = b.evidence * self.config.discount + x * x
 
-    def _add(self, b: _Bucket, x: float, z: float) -> None:
-        d = self.config.discount
-        b.w = b.w * d + 1.0
-        b.wx = b.wx * d + x
-        b.wxx = b.wxx * d + x * x
-        b.wz = b.wz * d + z
-        b.wxz = b.wxz * d + x * z
+    def _add(self, b: _Bucket, x: float, z: float, drafted: bool = False) -> None:
+        g, d = self.config.discount, float(drafted)
+        b.w = b.w * g + 1.0
+        b.wx = b.wx * g + x
+        b.wxx = b.wxx * g + x * x
+        b.wd = b.wd * g + d
+        b.wxd = b.wxd * g + x * d
+        b.wz = b.wz * g + z
+        b.wxz = b.wxz * g + x * z
+        b.wdz = b.wdz * g + d * z

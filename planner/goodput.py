@@ -56,6 +56,13 @@ class DraftCost:
         return self.per_pass_s * deepest_k + self.per_token_s * total_drafts
 
 
+def priced_seconds(base_s: float, with_drafts_s: float, slope: float = 1.0, jump: float = 0.0) -> float:
+    """A step with drafts as the planner prices it: the latency model's increment over the base
+    step scaled by the learned ``slope``, plus ``jump`` x the base for having drafts at all (both
+    from planner/drift.py ``DraftSlope``), never below the base step."""
+    return base_s + max(0.0, slope * (with_drafts_s - base_s) + jump * base_s)
+
+
 @dataclass(frozen=True)
 class StepCostModel:
     """Seconds of a step as a function of how many drafts it carries on top of a base step."""
@@ -65,6 +72,7 @@ class StepCostModel:
     draft_cost: DraftCost = DraftCost()
     overhead_s: float = 0.0  # scheduling, sampling, bookkeeping: paid whatever k is
     draft_slope: float = 1.0  # what drafts cost relative to the model's increment (planner/drift.py)
+    draft_jump: float = 0.0  # ... and once per step with drafts, relative to the base step
 
     @cached_property
     def base_seconds(self) -> float:
@@ -73,11 +81,11 @@ class StepCostModel:
 
     def target_seconds(self, total_drafts: int) -> float:
         """Forward + verify time predicted by the (drift-corrected) latency model, its increment
-        over the base step scaled by ``draft_slope``."""
+        over the base step priced by the learned slope and jump (``priced_seconds``)."""
         with_n = self.latency.predict(with_drafts(self.base, total_drafts))
-        if self.draft_slope == 1.0 or total_drafts == 0:
+        if total_drafts == 0 or (self.draft_slope == 1.0 and self.draft_jump == 0.0):
             return with_n
-        return self.base_seconds + self.draft_slope * (with_n - self.base_seconds)
+        return priced_seconds(self.base_seconds, with_n, self.draft_slope, self.draft_jump)
 
     def seconds(self, ks: Sequence[int]) -> float:
         total = sum(ks)

@@ -30,7 +30,7 @@ class TimingConfig:
             raise ValueError("prior_weight must be > 0")
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+def solve3(a: list[list[float]], b: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting for a 3x3 system (well-conditioned by the ridge)."""
     m = [row[:] + [v] for row, v in zip(a, b)]
     for c in range(3):
@@ -88,6 +88,6 @@ class StepTimingLearner:
         for i in range(3):
             a[i][i] += w * scale[i]
             b[i] += w * scale[i] * theta0[i]
-        overhead, per_pass, per_token = _solve3(a, b)
+        overhead, per_pass, per_token = solve3(a, b)
         self.overhead_s = max(0.0, overhead)
         self.draft_cost = DraftCost(per_pass_s=max(0.0, per_pass), per_token_s=max(0.0, per_token))

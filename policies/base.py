@@ -66,6 +66,7 @@ class PolicyState:
     roofline: Roofline | None = None
     draft_slope: float = 1.0  # drafts' cost relative to the latency model's increment (learned online)
     explore_slope: float = 1.0  # an optimistic draft_slope while evidence is thin (planner/drift.py)
+    draft_jump: float = 0.0  # what a step's having drafts at all costs beyond the slope, x the base step
     draft_budget: int | None = None  # drafts the step can carry in all (the engine's token budget)
 
     @property
@@ -82,7 +83,7 @@ class PolicyState:
         if self.latency is None:
             raise ValueError("this policy needs a latency model (a profile); none was given to the planner")
         slope = self.draft_slope if draft_slope is None else draft_slope
-        return StepCostModel(self.latency, self.base, self.draft_cost, self.overhead_s, slope)
+        return StepCostModel(self.latency, self.base, self.draft_cost, self.overhead_s, slope, self.draft_jump)
 
     def capped(self, k: int) -> list[int]:
         """The same k for every request, within each request's cap."""

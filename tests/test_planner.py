@@ -22,6 +22,8 @@ from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, D
                               PooledAcceptance, RequestAcceptance, StepCostModel, StepTimingLearner, allocate,
                               expected_tokens, step_goodput)
 from specplan.planner.acceptance import ProposerPrior, default_prior, match_bucket
+from specplan.planner.drift import DraftPrice, DraftSlope
+from specplan.planner.goodput import priced_seconds
 from specplan.profiler.latency_model import StepShape
 
 from conftest import RidgeLatency
@@ -683,6 +685,9 @@ def test_step_cost_model_scales_the_draft_increment_by_the_slope():
     half = StepCostModel(latency, base, draft_slope=0.5)
     assert half.target_seconds(0) == pytest.approx(0.014)
     assert half.target_seconds(4) == pytest.approx(0.014 + 0.5 * 0.004)
+    # A negative jump makes the first drafts cheaper, never cheaper than no drafts at all.
+    jumped = StepCostModel(latency, base, draft_slope=1.0, draft_jump=-0.1)
+    assert [jumped.target_seconds(n) for n in (0, 1, 2, 4)] == pytest.approx([0.014, 0.014, 0.0146, 0.0166])
 
 
 def test_draft_slope_learns_what_drafts_really_cost_per_batch_size():
@@ -693,19 +698,52 @@ def test_draft_slope_learns_what_drafts_really_cost_per_batch_size():
     slope.observe_drafts(4, base_s=0.02, with_drafts_s=0.025, measured_s=0.03)
     assert slope.slope(4) == 1.0  # ... nor to learn from
     slope.observe_plain(4, predicted_s=0.02, measured_s=0.04)
-    assert slope.slope(4) == 1.0 and slope.explore_slope(4) == pytest.approx(0.5)  # optimistic until measured
+    assert slope.slope(4) == pytest.approx(1.0) and slope.explore_slope(4) == pytest.approx(0.5)  # optimistic until measured
     # Plain steps measure 2x the model (a slower machine); drafts: the model says +25%, the
     # machine shows +5% (slope 0.2), with timing noise.
     rng = random.Random(3)
     for _ in range(60):
         slope.observe_plain(4, predicted_s=0.02, measured_s=0.04 * rng.uniform(0.98, 1.02))
         slope.observe_drafts(4, base_s=0.02, with_drafts_s=0.025, measured_s=0.042 * rng.uniform(0.98, 1.02))
-    assert slope.slope(4) == pytest.approx(0.2, abs=0.06)
+    def increment(num_seqs: int) -> float:  # the priced increment of these drafts, x the base step
+        price = slope.price(num_seqs)
+        return price.slope * 0.25 + price.jump
+
+    # All the drafts had one count, so a scale and a jump explain them alike: mostly the slope.
+    assert increment(4) == pytest.approx(0.05, abs=0.015)
+    assert slope.slope(4) == pytest.approx(0.2, abs=0.15) and abs(slope.price(4).jump) < 0.05
     assert slope.explore_slope(4) == pytest.approx(slope.slope(4), rel=0.02)  # optimism has faded
-    assert slope.slope(5) == slope.slope(7) == slope.slope(4)  # same bucket (4..7)
-    assert slope.slope(32) == 1.0  # another batch size keeps the profile's slope
+    assert slope.price(5) == slope.price(7) == slope.price(4)  # same bucket (4..7)
+    assert slope.price(32) == DraftPrice()  # another batch size keeps the profile's slope
     slope.observe_drafts(4, base_s=0.02, with_drafts_s=0.02, measured_s=0.03)  # no increment: ignored
-    assert slope.slope(4) == pytest.approx(0.2, abs=0.06)
+    assert increment(4) == pytest.approx(0.05, abs=0.015)
+
+
+def test_draft_price_learns_a_first_draft_cheaper_than_the_model_says():
+    """B = 1 on this CPU: the profile priced the first draft at +18% of a step and each further one
+    at +8%; serving measured about +3% for one draft and +6% for each further one. One slope
+    cannot fit both; slope and jump together can."""
+    slope = DraftSlope()
+    rng = random.Random(8)
+    model_x = {n: 0.18 + 0.08 * (n - 1) for n in range(1, 9)}  # the model's relative increments
+    real = {n: 0.03 + 0.06 * (n - 1) for n in range(1, 9)}
+    for _ in range(200):
+        slope.observe_plain(1, predicted_s=0.015, measured_s=0.015 * rng.uniform(0.97, 1.03))
+        n = rng.randint(1, 8)
+        slope.observe_drafts(1, base_s=0.015, with_drafts_s=0.015 * (1 + model_x[n]),
+                             measured_s=0.015 * (1 + real[n]) * rng.uniform(0.97, 1.03))
+    price = slope.price(1)
+    priced = {n: priced_seconds(1.0, 1.0 + model_x[n], price.slope, price.jump) - 1.0 for n in model_x}
+    assert priced[1] == pytest.approx(0.03, abs=0.02) and priced[8] == pytest.approx(0.45, abs=0.05)
+    assert price.jump < -0.05
+    # Pinned to one slope (the jump's prior made huge), the first draft stays at twice its cost or more.
+    pinned = DraftSlope(DraftSlopeConfig(jump_prior_units=1e9))
+    for _ in range(200):
+        pinned.observe_plain(1, predicted_s=0.015, measured_s=0.015)
+        n = rng.randint(1, 8)
+        pinned.observe_drafts(1, 0.015, 0.015 * (1 + model_x[n]), 0.015 * (1 + real[n]))
+    assert pinned.price(1).jump == pytest.approx(0.0, abs=1e-6)
+    assert pinned.slope(1) * model_x[1] > 2 * real[1]
 
 
 def test_draft_slope_follows_the_machine_level_while_every_step_speculates():
@@ -799,4 +837,5 @@ def test_planner_probe_on_a_truly_costly_draft_is_bounded_and_stops():
     chosen = _run_planner(planner, machine, [0.7] * 4, 40, rng)
     assert 1 <= sum(map(sum, chosen)) <= 4  # one probe of a few drafts, then off for good
     assert all(ks == [0] * 4 for ks in chosen[-30:])
-    assert planner.draft_slope.slope(4) > 1.5
+    price = planner.draft_slope.price(4)
+    assert price.slope > 1.2 and price.slope + price.jump / 0.1 > 1.5  # priced > 1.5x the model's ~+10%
