@@ -75,11 +75,12 @@ class DraftSlopeConfig:
     optimism: float = 0.5  # with no evidence, exploration prices drafts at (1 - optimism) x the slope
     min_slope: float = 0.1
     max_slope: float = 4.0
-    # The jump's prior (0) counts as this many steps with a residual of one unit_increment: far
-    # more than the slope's, so that steps with one draft count alone (where a scale and a jump
-    # explain the cost alike) move the slope, and the jump follows only from steps of different
-    # draft counts whose costs do not sit on a line through the plain step. Very large values pin
-    # it to 0 (one slope for the whole increment).
+    # The jump's prior (0) weighs jump_prior_units * unit_increment^2: at 100, moving a step's
+    # price by 0.1 of its base through the jump costs the fit what moving it through the slope
+    # costs for drafts the model prices at +10%, and more than that for dearer drafts (the slope
+    # needs a smaller change there). So steps with a single draft count, which a scale and a jump
+    # explain alike, mostly move the slope; the jump follows from steps of different draft counts
+    # whose costs do not sit on a line through the plain step. Very large values pin it to 0.
     jump_prior_units: float = 100.0
     max_jump: float = 0.5  # |jump| stays within half a base step
 
