@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -98,10 +99,12 @@ class Model:
         return draft
 
     @torch.inference_mode()
-    def forward(self, batch: TokenBatch, kv_cache: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Hidden states [N, hidden] after the final norm; writes this step's K/V into kv_cache.
+    def forward(self, batch: TokenBatch, layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                block_size: int) -> torch.Tensor:
+        """Hidden states [N, hidden] after the final norm; writes this step's K/V into the caches.
 
-        kv_cache: [num_layers, 2, num_blocks, block_size, KVH, D] (a strided view: allocate_kv_cache).
+        layer_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, KVH, D]
+        (``layer_caches(allocate_kv_cache(...))``, made once per cache).
         """
         c = self.config
         # On CPU a C++ kernel reads K/V in place through the block tables; tree-masked batches and
@@ -114,9 +117,7 @@ class Model:
         norms = [layer.input_norm for layer in self.layers] + [self.final_norm]
         h = self.embed[batch.input_ids]  # [N, hidden], the residual stream (updated in place)
         x = ops.add_rms_norm_(h, None, norms[0], eps)  # [N, hidden]
-        # k_cache, v_cache: [num_blocks, block_size, KVH, D]. Iterating unbinds: one op per layer
-        # for both views, where indexing took four.
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_cache, strict=True)):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, layer_caches, strict=True)):
             q = ops.rope_write_kv(layer.qkv(x), batch.positions, self.rope_cos, self.rope_sin, k_cache, v_cache,
                                   batch.slot_mapping, c.num_heads, c.num_kv_heads)  # [N, H, D]
             if use_kernel:

@@ -62,12 +62,19 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
     return storage.transpose(3, 4)
 
 
+def layer_caches(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k_cache, v_cache) views [num_blocks, block_size, KVH, D] of a KV cache, made
+    once: unbinding the cache in every step cost 0.16 ms of a 14 ms B=1 step (60 view ops)."""
+    return [(k, v) for k, v in kv_cache]
+
+
 class ModelRunner:
     """Runs ``model`` over the KV cache ``kv_cache`` (a draft model gets its own runner)."""
 
     def __init__(self, model: Model, kv_cache: torch.Tensor, block_size: int):
         self.model = model
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, KVH, D], head-major storage
+        self.layer_caches = layer_caches(kv_cache)
         self.block_size = block_size
 
     def build_batch(self, scheduled: list[ScheduledSeq], block_manager: BlockManager) -> TokenBatch:
@@ -126,7 +133,7 @@ class ModelRunner:
 
     def execute(self, batch: TokenBatch) -> torch.Tensor:
         """Run one forward pass; logits [len(logits_indices), V] in fp32."""
-        hidden = self.model.forward(batch, self.kv_cache, self.block_size)
+        hidden = self.model.forward(batch, self.layer_caches, self.block_size)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
 
