@@ -66,9 +66,10 @@ class DraftCost(BaseModel):
     per_token: float  # seconds per draft token (per sequence)
 
 
-# How the step grid is measured. 2: each timed step follows a step of its own width (profiler/run.py).
-# A cached profile measured by an older method is measured again rather than reused.
-PROFILE_VERSION = 2
+# How the step grid is measured (profiler/run.py). 2: each timed step follows a step of its own
+# width. 3: each width's time is its median ratio to the narrowest width within a pass, times the
+# narrowest width's median. A cached profile measured by an older method is measured again.
+PROFILE_VERSION = 3
 
 
 class Profile(BaseModel):

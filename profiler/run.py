@@ -72,19 +72,33 @@ def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8
                         timing = timer.time_steps(t, repeats=1, warmup=1)
                         if rep:
                             runs[t].append((timing, timer.decider.records[-1]))
+                narrowest = runs[min(runs)]
                 for t, samples in runs.items():
                     secs = [timing.seconds[0] for timing, _ in samples]
                     rows.append({"batch_size": b, "tokens_per_seq": t, "context": ctx,
                                  "num_tokens": samples[-1][1].num_tokens,
                                  "context_tokens": round(statistics.mean(r.context_tokens for _, r in samples)),
-                                 "seconds": statistics.median(secs),
-                                 "total_seconds": statistics.median(timing.total_seconds[0] for timing, _ in samples),
+                                 "seconds": _drift_free([x.seconds[0] for x, _ in samples],
+                                                        [x.seconds[0] for x, _ in narrowest]),
+                                 "total_seconds": _drift_free([x.total_seconds[0] for x, _ in samples],
+                                                              [x.total_seconds[0] for x, _ in narrowest]),
                                  "all_seconds": secs})
                     bar.advance(task)
                 drafts.append({"batch_size": b, "context": ctx,
                                "seconds": _time_draft_round(draft, engine, spec.repeats)})
     timer.clear()
     return pd.DataFrame(rows), pd.DataFrame(drafts)
+
+
+def _drift_free(seconds: list[float], narrowest: list[float]) -> float:
+    """A width's step time from its passes: its median ratio to the narrowest width's step in the
+    same pass, times the narrowest width's median. One pass over the widths takes well under a
+    second, so the machine's drift between passes cancels in the ratios. Plain medians per width
+    mixed passes from different spells of this VM (bandwidth moves 2x within minutes): in one
+    quick profile (B=1, context 128) T=1's median came from a fast pass and T=2's from a slow one,
+    and the grid read T=2 at 1.44x T=1, where the passes' own ratios had a median of 1.08x."""
+    ratios = [s / n for s, n in zip(seconds, narrowest, strict=True)]
+    return statistics.median(narrowest) * statistics.median(ratios)
 
 
 def _time_draft_round(draft: ModelRunner, engine, repeats: int) -> float:

@@ -54,6 +54,34 @@ def test_each_timed_step_follows_a_step_of_its_own_width(monkeypatch):
     assert all(i > 0 and steps[i - 1][0] == steps[i][0] for i in timed)
 
 
+def test_the_grid_keeps_each_pass_ratios_when_the_machine_slows_mid_pass(monkeypatch):
+    """The machine halves its speed in the middle of the third pass (after T=1's step, before
+    T=2's): plain per-width medians would read T=2 and T=3 at twice their cost relative to T=1."""
+    import dataclasses
+
+    from specplan.profiler.step_timer import StepTimer
+
+    real = StepTimer.time_steps
+    calls = []
+
+    def synthetic(self, tokens_per_seq, repeats, warmup=1):
+        timing = real(self, tokens_per_seq, repeats, warmup)
+        calls.append(tokens_per_seq)
+        level = 1.0 if len(calls) <= 3 * 3 + 1 else 2.0  # warm-up pass + 2 passes + T=1 of pass 3
+        cost = level * (1.0 + 0.1 * (tokens_per_seq - 1))
+        return dataclasses.replace(timing, seconds=[cost], total_seconds=[cost + 0.5 * level])
+
+    monkeypatch.setattr(StepTimer, "time_steps", synthetic)
+    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32, num_hidden_layers=1))
+    grid, _ = measure_grid(loaded, GridSpec(batch_sizes=(1,), tokens_per_seq=(1, 2, 3), contexts=(16,), repeats=4),
+                           layer_skip_layers=1, progress=False)
+    secs = dict(zip(grid.tokens_per_seq, grid.seconds))
+    assert secs[2] / secs[1] == pytest.approx(1.1) and secs[3] / secs[1] == pytest.approx(1.2)
+    assert secs[1] == pytest.approx(1.0)  # T=1's own median: passes 1-3 at 1.0, pass 4 at 2.0
+    totals = dict(zip(grid.tokens_per_seq, grid.total_seconds))
+    assert totals[3] / totals[1] == pytest.approx(1.7 / 1.5)
+
+
 def test_profile_round_trips_and_report_renders(tiny_profile, tmp_path):
     loaded, grid, profile = tiny_profile
     path = tmp_path / "p.json"
