@@ -1,8 +1,9 @@
 """The engine's C++ CPU kernels (engine/csrc/), built into one extension on first use.
 
 Ops: ``torch.ops.specplan_attn.paged_attention_cpu`` (engine/attention_cpu.py),
-``torch.ops.specplan_linear.packed_linear`` (engine/linear.py) and the fused per-layer ops
-``torch.ops.specplan_ops.*`` (engine/layer_ops.py). The extension compiles once
+``torch.ops.specplan_linear.packed_linear`` (engine/linear.py), the fused per-layer ops
+``torch.ops.specplan_ops.*`` (engine/layer_ops.py) and ``specplan_ops.decoder_layers``, which
+chains them over a model's decoder layers (engine/model.py). The extension compiles once
 (about 20-40 s on 2 cores) and is cached by torch.utils.cpp_extension under
 ``$SPECPLAN_CACHE/torch_extensions`` when SPECPLAN_CACHE is set, else torch's default extensions
 directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``); later processes only load
@@ -23,7 +24,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "packed_linear.cpp", "fused_ops.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("paged_attention.cpp", "packed_linear.cpp", "fused_ops.cpp", "decoder_layers.cpp")]
 # Python code that shapes a CPU step's speed beside the kernels (the KV cache's storage order, the
 # layer loop): part of build_id, so a profile timed on other code is measured again.
 _STEP_SOURCES = [Path(__file__).parent / name for name in ("model.py", "model_runner.py")]
@@ -75,6 +77,7 @@ def _ops_registered() -> bool:
         torch.ops.specplan_linear.packed_linear  # noqa: B018
         torch.ops.specplan_ops.silu_mul  # noqa: B018
         torch.ops.specplan_ops.argmax_rows  # noqa: B018
+        torch.ops.specplan_ops.decoder_layers  # noqa: B018
         return True
     except (AttributeError, RuntimeError):
         return False

@@ -19,8 +19,8 @@ from .attention_cpu import load_kernel, paged_attention_cpu
 from .attention_cpu import supports as cpu_kernel_supports
 from .batch import TokenBatch
 from .config import ModelConfig
-from .layer_ops import layer_ops_for
-from .linear import Linear, make_linear, move_to_huge_pages, packed_available
+from .layer_ops import CpuKernelOps, layer_ops_for
+from .linear import Linear, PackedLinear, make_linear, move_to_huge_pages, packed_available
 
 
 @dataclass
@@ -88,6 +88,7 @@ class Model:
         self.q_size = c.num_heads * c.head_dim
         if self.device.type == "cpu":
             load_kernel()  # compile the CPU kernels now, not inside the first request
+        self.stack = _KernelStack.of(self)  # None where the layers run op by op
 
     def truncated(self, num_layers: int) -> "Model":
         """The first ``num_layers`` layers with the same embedding, final norm and LM head (shared
@@ -96,6 +97,7 @@ class Model:
         draft.layers = self.layers[:num_layers]
         draft.config = dataclasses.replace(self.config, num_layers=num_layers,
                                            name=f"{self.config.name}[:{num_layers}]")
+        draft.stack = _KernelStack.of(draft)
         return draft
 
     @torch.inference_mode()
@@ -117,6 +119,8 @@ class Model:
         norms = [layer.input_norm for layer in self.layers] + [self.final_norm]
         h = self.embed[batch.input_ids]  # [N, hidden], the residual stream (updated in place)
         x = ops.add_rms_norm_(h, None, norms[0], eps)  # [N, hidden]
+        if use_kernel and self.stack is not None:  # the same kernels as the loop below, called from C++
+            return self.stack(h, x, batch, layer_caches)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, layer_caches, strict=True)):
             q = ops.rope_write_kv(layer.qkv(x), batch.positions, self.rope_cos, self.rope_sin, k_cache, v_cache,
                                   batch.slot_mapping, c.num_heads, c.num_kv_heads)  # [N, H, D]
@@ -132,3 +136,47 @@ class Model:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in fp32."""
         return self.lm_head(hidden).float()
+
+
+@dataclass(frozen=True)
+class _KernelStack:
+    """The decoder layers as one C++ call (engine/csrc/decoder_layers.cpp): the kernels of
+    ``Model.forward``'s loop in the same order, so the same bits, without its ~300 Python-level
+    op calls a step (2-3 us each). Only for models whose layer ops and projections all run the
+    CPU kernels."""
+
+    weights: list[torch.Tensor]  # per layer: qkv, o, gate_up, down (packed), post_norm, next_norm
+    biases: list[torch.Tensor | None]  # per layer: qkv, o
+    rope_cos: torch.Tensor  # [max_pos, D]
+    rope_sin: torch.Tensor  # [max_pos, D]
+    num_heads: int
+    scale: float
+    sliding_window: int  # 0: none
+    eps: float
+
+    @staticmethod
+    def of(model: Model) -> _KernelStack | None:
+        layers = model.layers
+        if model.ops is not CpuKernelOps or not layers or not all(
+                isinstance(lin, PackedLinear) for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            return None
+        if any(lin.bias is not None for layer in layers for lin in (layer.gate_up, layer.down)):
+            return None  # the C++ loop has no MLP biases (no Llama-family checkpoint has them)
+        next_norms = [layer.input_norm for layer in layers[1:]] + [model.final_norm]
+        weights = [t for layer, next_norm in zip(layers, next_norms, strict=True)
+                   for t in (layer.qkv.packed, layer.o.packed, layer.gate_up.packed, layer.down.packed,
+                             layer.post_norm, next_norm)]
+        c = model.config
+        return _KernelStack(weights, [b for layer in layers for b in (layer.qkv.bias, layer.o.bias)],
+                            model.rope_cos, model.rope_sin, c.num_heads, model.scale, c.sliding_window or 0,
+                            c.rms_norm_eps)
+
+    def __call__(self, h: torch.Tensor, x: torch.Tensor, batch: TokenBatch,
+                 layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """h [N, hidden] residual stream (updated in place), x [N, hidden] the first layer's normed
+        input -> the final-normed hidden states [N, hidden]."""
+        return torch.ops.specplan_ops.decoder_layers(
+            h, x, self.weights, self.biases, [t for kv in layer_caches for t in kv],
+            batch.positions, batch.slot_mapping, self.rope_cos, self.rope_sin,
+            batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.tree_bits,
+            self.num_heads, self.scale, self.sliding_window, self.eps)

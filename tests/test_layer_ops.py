@@ -107,3 +107,45 @@ def test_greedy_tokens_edge_rows():
     x[2, 40] = float("nan")  # NaN wins, as in torch
     x[3, 17] = x[3, 18] = 5.0
     assert greedy_tokens(x).tolist() == x.argmax(dim=-1).tolist() == [99, 0, 40, 17]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_decoder_layers_in_one_call_equal_the_per_op_loop(arch, tree):
+    """engine/csrc/decoder_layers.cpp runs the loop of Model.forward from C++: same kernels, same
+    order, so the same bits, in the hidden states and in every K/V written."""
+    from conftest import loaded_from_hf, tiny_hf_model
+    from specplan.engine.batch import TokenBatch
+    from specplan.engine.model import Model
+    from specplan.engine.model_runner import allocate_kv_cache, layer_caches
+
+    loaded = loaded_from_hf(tiny_hf_model(arch, dtype=torch.float32, num_hidden_layers=3))
+    model = Model(loaded.config, loaded.weights, "cpu", torch.float32)
+    assert model.stack is not None and model.truncated(2).stack is not None
+    # batch.py's worked example (block_size 4): r0 prefills positions 0..2, r1 decodes position 9,
+    # r2 verifies 3 tokens from position 5 (as a tree root -> {x, y} when `tree`).
+    tables = [[0, 0, 0], [1, 2, 3], [4, 5, 0]]
+    positions = [0, 1, 2, 9, 5, 6, 7]
+    slots = [tables[r][p // 4] * 4 + p % 4 for r, p in zip([0, 0, 0, 1, 2, 2, 2], positions)]
+    tree_bits = None
+    if tree:
+        positions[-1] = 6  # node y sits in slot 7 but is rotated at depth 1
+        tree_bits = torch.tensor([0, 0, 0, 0, 0b001, 0b011, 0b101])
+
+    def batch() -> TokenBatch:
+        return TokenBatch(input_ids=torch.tensor([5, 7, 11, 13, 17, 19, 23]), positions=torch.tensor(positions),
+                          query_start_loc=torch.tensor([0, 3, 4, 7], dtype=torch.int32),
+                          seq_lens=torch.tensor([3, 10, 8], dtype=torch.int32), slot_mapping=torch.tensor(slots),
+                          block_tables=torch.tensor(tables, dtype=torch.int32),
+                          logits_indices=torch.tensor([2, 3, 4, 5, 6]), query_lens_host=[3, 1, 3],
+                          seq_lens_host=[3, 10, 8], tree_masks={2: torch.ones(3, 3, dtype=torch.bool)} if tree else None,
+                          tree_bits=tree_bits)
+
+    cache = allocate_kv_cache(loaded.config, 6, 4, torch.float32, torch.device("cpu"))
+    cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(0)))  # earlier context
+    caches = {"stack": cache.clone(), "loop": cache.clone()}
+    hidden = {"stack": model.forward(batch(), layer_caches(caches["stack"]), 4)}
+    model.stack = None
+    hidden["loop"] = model.forward(batch(), layer_caches(caches["loop"]), 4)
+    assert torch.equal(hidden["stack"], hidden["loop"]) and hidden["stack"].abs().sum() > 0
+    assert torch.equal(caches["stack"], caches["loop"]) and not torch.equal(caches["stack"], cache)

@@ -20,6 +20,8 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -80,7 +82,30 @@ inline double sum_squares(const float* x, int64_t n) {
   return ss;
 }
 
-at::Tensor add_rms_norm_(at::Tensor h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
+// out[0:D] = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]].
+inline void rotate(const float* __restrict x, const float* __restrict c, const float* __restrict s, int64_t D,
+                   float* __restrict out) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < half; ++j) out[j] = x[j] * c[j] - x[j + half] * s[j];
+  for (int64_t j = half; j < D; ++j) out[j] = x[j] * c[j] + x[j - half] * s[j];
+}
+
+// silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) (never overflows):
+// sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0. 16 lanes: one AVX-512 register.
+typedef float F16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+
+inline F16 silu_times(F16 g, F16 u) {
+  const F16 e = specplan::exp_nonpositive_v<F16, I16>(g < 0 ? g : -g);
+  const F16 num = g < 0 ? e : F16{} + 1.0f;
+  return g * (num / (1.0f + e)) * u;
+}
+
+}  // namespace
+
+namespace specplan {
+
+at::Tensor add_rms_norm_(at::Tensor h, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
   check_float_rows(h, "h");
   const int64_t N = h.size(0), E = h.size(1);
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == E && weight.scalar_type() == at::kFloat,
@@ -109,14 +134,6 @@ at::Tensor add_rms_norm_(at::Tensor h, const c10::optional<at::Tensor>& delta, c
     }
   });
   return out;
-}
-
-// out[0:D] = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]].
-inline void rotate(const float* __restrict x, const float* __restrict c, const float* __restrict s, int64_t D,
-                   float* __restrict out) {
-  const int64_t half = D / 2;
-  for (int64_t j = 0; j < half; ++j) out[j] = x[j] * c[j] - x[j + half] * s[j];
-  for (int64_t j = half; j < D; ++j) out[j] = x[j] * c[j] + x[j - half] * s[j];
 }
 
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
@@ -167,17 +184,6 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, con
     }
   });
   return q;
-}
-
-// silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) (never overflows):
-// sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0. 16 lanes: one AVX-512 register.
-typedef float F16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
-
-inline F16 silu_times(F16 g, F16 u) {
-  const F16 e = specplan::exp_nonpositive_v<F16, I16>(g < 0 ? g : -g);
-  const F16 num = g < 0 ? e : F16{} + 1.0f;
-  return g * (num / (1.0f + e)) * u;
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
@@ -263,7 +269,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace specplan
 
 TORCH_LIBRARY(specplan_ops, m) {
   m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
@@ -274,8 +280,8 @@ TORCH_LIBRARY(specplan_ops, m) {
 }
 
 TORCH_LIBRARY_IMPL(specplan_ops, CPU, m) {
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("rope_write_kv", &rope_write_kv);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("argmax_rows", &argmax_rows);
+  m.impl("add_rms_norm_", &specplan::add_rms_norm_);
+  m.impl("rope_write_kv", &specplan::rope_write_kv);
+  m.impl("silu_mul", &specplan::silu_mul);
+  m.impl("argmax_rows", &specplan::argmax_rows);
 }

@@ -32,6 +32,8 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -106,7 +108,11 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, float* y, 
   panel_block<R>(x, K, panel, y, ldy, ncols, bias, next);
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+}  // namespace
+
+namespace specplan {
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [M, K] contiguous float32");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == NR && packed.scalar_type() == at::kFloat,
               "packed must be [P, K, 32] contiguous float32");
@@ -153,12 +159,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
-}  // namespace
+}  // namespace specplan
 
 TORCH_LIBRARY(specplan_linear, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specplan_linear, CPU, m) {
-  m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear", &specplan::packed_linear);
 }

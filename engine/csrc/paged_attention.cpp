@@ -42,6 +42,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include "vec_math.h"
 
 #include <algorithm>
@@ -651,6 +653,10 @@ void run(const Args<T>& a, const std::vector<WorkItem>& items) {
   }
 }
 
+}  // namespace
+
+namespace specplan {
+
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                const at::Tensor& block_tables, const at::Tensor& positions, double scale,
@@ -822,7 +828,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
   return out;
 }
 
-}  // namespace
+}  // namespace specplan
 
 TORCH_LIBRARY(specplan_attn, m) {
   m.def(
@@ -832,5 +838,5 @@ TORCH_LIBRARY(specplan_attn, m) {
 }
 
 TORCH_LIBRARY_IMPL(specplan_attn, CPU, m) {
-  m.impl("paged_attention_cpu", &paged_attention_cpu);
+  m.impl("paged_attention_cpu", &specplan::paged_attention_cpu);
 }
