@@ -2,7 +2,9 @@
 
 Weights are plain tensors in fused layouts (QKV in one matrix, gate and up in one) so that each
 layer runs five matrix products; the math follows Hugging Face's modeling code op for op in
-fp32 (RMSNorm in fp32, RoPE in rotate-half layout, tied embeddings).
+fp32 (RMSNorm in fp32, RoPE in rotate-half layout, tied embeddings). On CPU in float32 the
+layer loop runs as one C++ call (``_KernelStack``); ``Model.forward``'s Python loop is the same
+sequence of kernels, and the path for every other device, dtype and batch.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class Model:
         self.q_size = c.num_heads * c.head_dim
         if self.device.type == "cpu":
             load_kernel()  # compile the CPU kernels now, not inside the first request
-        self.stack = _KernelStack.of(self)  # None where the layers run op by op
+        self.kernel_stack = _KernelStack.of(self)  # None where the layers run op by op
 
     def truncated(self, num_layers: int) -> "Model":
         """The first ``num_layers`` layers with the same embedding, final norm and LM head (shared
@@ -97,7 +99,7 @@ class Model:
         draft.layers = self.layers[:num_layers]
         draft.config = dataclasses.replace(self.config, num_layers=num_layers,
                                            name=f"{self.config.name}[:{num_layers}]")
-        draft.stack = _KernelStack.of(draft)
+        draft.kernel_stack = _KernelStack.of(draft)
         return draft
 
     @torch.inference_mode()
@@ -119,8 +121,8 @@ class Model:
         norms = [layer.input_norm for layer in self.layers] + [self.final_norm]
         h = self.embed[batch.input_ids]  # [N, hidden], the residual stream (updated in place)
         x = ops.add_rms_norm_(h, None, norms[0], eps)  # [N, hidden]
-        if use_kernel and self.stack is not None:  # the same kernels as the loop below, called from C++
-            return self.stack(h, x, batch, layer_caches)
+        if use_kernel and self.kernel_stack is not None:  # the same kernels as the loop below, called from C++
+            return self.kernel_stack(h, x, batch, layer_caches)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, layer_caches, strict=True)):
             q = ops.rope_write_kv(layer.qkv(x), batch.positions, self.rope_cos, self.rope_sin, k_cache, v_cache,
                                   batch.slot_mapping, c.num_heads, c.num_kv_heads)  # [N, H, D]

@@ -121,7 +121,7 @@ def test_decoder_layers_in_one_call_equal_the_per_op_loop(arch, tree):
 
     loaded = loaded_from_hf(tiny_hf_model(arch, dtype=torch.float32, num_hidden_layers=3))
     model = Model(loaded.config, loaded.weights, "cpu", torch.float32)
-    assert model.stack is not None and model.truncated(2).stack is not None
+    assert model.kernel_stack is not None and model.truncated(2).kernel_stack is not None
     # batch.py's worked example (block_size 4): r0 prefills positions 0..2, r1 decodes position 9,
     # r2 verifies 3 tokens from position 5 (as a tree root -> {x, y} when `tree`).
     tables = [[0, 0, 0], [1, 2, 3], [4, 5, 0]]
@@ -145,7 +145,7 @@ def test_decoder_layers_in_one_call_equal_the_per_op_loop(arch, tree):
     cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(0)))  # earlier context
     caches = {"stack": cache.clone(), "loop": cache.clone()}
     hidden = {"stack": model.forward(batch(), layer_caches(caches["stack"]), 4)}
-    model.stack = None
+    model.kernel_stack = None
     hidden["loop"] = model.forward(batch(), layer_caches(caches["loop"]), 4)
     assert torch.equal(hidden["stack"], hidden["loop"]) and hidden["stack"].abs().sum() > 0
     assert torch.equal(caches["stack"], caches["loop"]) and not torch.equal(caches["stack"], cache)
