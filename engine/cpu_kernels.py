@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.cpp", "packed_linear.cpp", "fused_ops.cpp", "decoder_layers.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("kernels.h", "vec_math.h")]
 # Python code that shapes a CPU step's speed beside the kernels (the KV cache's storage order, the
 # layer loop): part of build_id, so a profile timed on other code is measured again.
 _STEP_SOURCES = [Path(__file__).parent / name for name in ("model.py", "model_runner.py")]
@@ -115,7 +116,8 @@ def build_id() -> str:
         return "torch"
     import hashlib
 
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sorted(_SOURCES + _STEP_SOURCES))).hexdigest()[:8]
+    files = sorted(_SOURCES + _HEADERS + _STEP_SOURCES)
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:8]
     return f"{build_config()[0].removeprefix('specplan_cpu_kernels_')}-{digest}"
 
 

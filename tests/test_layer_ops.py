@@ -149,3 +149,15 @@ def test_decoder_layers_in_one_call_equal_the_per_op_loop(arch, tree):
     hidden["loop"] = model.forward(batch(), layer_caches(caches["loop"]), 4)
     assert torch.equal(hidden["stack"], hidden["loop"]) and hidden["stack"].abs().sum() > 0
     assert torch.equal(caches["stack"], caches["loop"]) and not torch.equal(caches["stack"], cache)
+
+
+def test_every_kernel_file_feeds_the_build_id():
+    """Profiles are keyed by cpu_kernels.build_id(): a kernel source or header left out of its hash
+    would let a profile timed on other code be reused."""
+    from pathlib import Path
+
+    from specplan.engine import cpu_kernels
+
+    csrc = Path(cpu_kernels.__file__).parent / "csrc"
+    hashed = {p.name for p in cpu_kernels._SOURCES + cpu_kernels._HEADERS}
+    assert {p.name for p in csrc.iterdir() if p.suffix in (".cpp", ".h")} == hashed
