@@ -73,15 +73,16 @@ def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8
                         if rep:
                             runs[t].append((timing, timer.decider.records[-1]))
                 narrowest = runs[min(runs)]
+                narrowest_secs = [timing.seconds[0] for timing, _ in narrowest]
+                narrowest_totals = [timing.total_seconds[0] for timing, _ in narrowest]
                 for t, samples in runs.items():
                     secs = [timing.seconds[0] for timing, _ in samples]
                     rows.append({"batch_size": b, "tokens_per_seq": t, "context": ctx,
                                  "num_tokens": samples[-1][1].num_tokens,
                                  "context_tokens": round(statistics.mean(r.context_tokens for _, r in samples)),
-                                 "seconds": _drift_free([x.seconds[0] for x, _ in samples],
-                                                        [x.seconds[0] for x, _ in narrowest]),
+                                 "seconds": _drift_free(secs, narrowest_secs),
                                  "total_seconds": _drift_free([x.total_seconds[0] for x, _ in samples],
-                                                              [x.total_seconds[0] for x, _ in narrowest]),
+                                                              narrowest_totals),
                                  "all_seconds": secs})
                     bar.advance(task)
                 drafts.append({"batch_size": b, "context": ctx,
