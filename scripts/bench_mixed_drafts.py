@@ -1,0 +1,93 @@
+"""What n one-token drafts add to a decode step of B requests, measured beside the profile's price.
+
+The latency profile times steps where every request verifies the same number of tokens T; the
+planner prices steps where a few requests draft and the rest do not. This times exactly those: B
+requests decoding at context ~256, n of them with k = 1 (n = 0 is plain decoding), the values of n
+shuffled within each round so the VM's slow and fast minutes hit them alike. Per n it prints the
+median forward + verify time over plain decoding and what the cached profile's latency model
+predicts for the same step. Measured here at B=16: the first draft added 1.9 ms where the profile
+said 0.54 (17 rows run the products in three row blocks instead of two of 8), four drafts 3.2 ms.
+
+A development benchmark: `.venv/bin/python scripts/bench_mixed_drafts.py [B] [rounds]` from the
+repo root, on a quiet machine (uses the cached profile, or measures a quick one)."""
+import random
+import statistics
+import sys
+
+import torch
+
+from specplan.adaptive import load_or_make_profile
+from specplan.engine.loader import load_model
+from specplan.profiler.engine_bench import timing_engine
+from specplan.profiler.latency_model import StepShape
+from specplan.profiler.step_timer import StepTimer
+
+CONTEXT = 256
+STEPS_PER_CELL = 3  # timed after one untimed step of the same shape
+
+
+class FirstNDraft:
+    """A decider giving k = 1 to the first n requests of each step and 0 to the rest."""
+
+    def __init__(self):
+        self.n = 0
+        self.records = []
+
+    def decide(self, view) -> list[int]:
+        return [1 if i < self.n else 0 for i in range(len(view.requests))]
+
+    def observe(self, record) -> None:
+        self.records.append(record)
+
+
+def main(batch_size: int, rounds: int) -> None:
+    loaded = load_model(None)
+    latency = load_or_make_profile(loaded, None).model()
+    engine = timing_engine(loaded, max_batch=batch_size, max_tokens_per_seq=2, context=CONTEXT)
+    timer = StepTimer(engine)  # its proposer drafts random tokens: rejected, so a step adds one token
+    decider = FirstNDraft()
+
+    def refill() -> None:  # B fresh requests at CONTEXT tokens, before they run out of room
+        engine.speculator.decider = timer.decider  # plain steps while the prompts prefill
+        timer.fill(batch_size, CONTEXT)
+        engine.speculator.decider = decider
+
+    refill()
+    room = engine.max_model_len - CONTEXT - 64  # steps a fill lasts, with some margin
+    steps = 0
+    counts = sorted({0, 1, 2, 4, batch_size // 2, batch_size})
+    seconds: dict[int, list[float]] = {n: [] for n in counts}
+    contexts: dict[int, list[int]] = {n: [] for n in counts}
+    rng = random.Random(0)
+    order = list(counts)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        if steps + len(order) * (1 + STEPS_PER_CELL) > room:
+            refill()
+            steps = 0
+        for n in order:
+            decider.n = n
+            for i in range(1 + STEPS_PER_CELL):
+                engine.step()
+                steps += 1
+                if len(engine.scheduler.running) != batch_size:
+                    raise RuntimeError("a request finished or was preempted mid-round")
+                if i:
+                    rec = decider.records[-1]
+                    seconds[n].append(rec.forward_s + rec.verify_s)
+                    contexts[n].append(rec.context_tokens)
+    plain = statistics.median(seconds[0])
+    context = int(statistics.median(contexts[0]))
+    predicted_plain = latency.predict(StepShape(batch_size, batch_size, context))
+    print(f"B={batch_size}, context {CONTEXT}: plain step {1e3 * plain:.2f} ms measured, "
+          f"{1e3 * predicted_plain:.2f} ms predicted ({rounds} rounds x {STEPS_PER_CELL} steps)")
+    print("drafts  measured +ms  profile +ms")
+    for n in counts[1:]:
+        measured = statistics.median(seconds[n]) - plain
+        predicted = latency.predict(StepShape(batch_size, batch_size + n, context)) - predicted_plain
+        print(f"{n:6d}  {1e3 * measured:11.2f}  {1e3 * predicted:11.2f}")
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 16, int(sys.argv[2]) if len(sys.argv) > 2 else 40)
