@@ -51,21 +51,31 @@ constexpr int MR = 3;
 #endif
 // Below this many weight floats a product runs on the calling thread (waking a thread costs more).
 constexpr int64_t kMinParallelFloats = 1 << 16;
-// From this many rows on, the next panel is prefetched while this one is multiplied. A panel's
-// first pass both fetches it from memory and multiplies it; with enough rows the multiply is long
-// enough that the two serialize unless the next fetch starts early. With fewer rows the loop is a
-// plain stream the hardware prefetcher runs best alone. Measured here, one step's products of
-// SmolLM2-135M (30 layers + lm_head, 2 threads): M = 8 28.4 -> 22.5 ms, M = 9 30.2 -> 22.8, M = 16
-// 39.2 -> 35.1, M = 32 53.2 -> 50.2; at M = 1 15.8 -> 18.4 (worse). In whole B = 1 engine steps
-// (T = 1..9 interleaved), a threshold of 4 put a +13% step at T = 4 (T = 2-3: +1-2%) where without
-// prefetch T = 4-6 cost +4-9%; at 7, T = 2-6 stay within +6% of T = 1, which is what makes
-// drafts nearly free there.
-constexpr int64_t kPrefetchMinRows = 7;
+// How a pass over a panel fetches the weights ahead of its math (Prefetch), by row count M:
+// - M < kStreamPrefetchMinRows: nothing; the loop is a plain stream the hardware prefetcher runs
+//   best alone.
+// - up to MR rows (a single row block, one pass per panel): the lines kStreamPrefetchBytes ahead
+//   of the ones being read, into L1 (prefetcht0). With 4-8 rows the multiply is long enough that
+//   the hardware prefetcher alone falls behind. Measured here (Zen 5, one step's products of
+//   SmolLM2-135M, 30 layers + lm_head, 2 threads, against the next-panel prefetch below, A/B in
+//   one process): M = 8 0.88 in a fast spell, 0.95 in a slow one; M = 5 0.86; M = 4 0.97; at
+//   M = 1-2 it made no difference (0.98-1.01), so it starts at 4. 4 KB ahead read 0.93, 16 KB
+//   0.88-0.97, 8 KB with the T1 hint (an L2 fetch) 1.00.
+// - several row blocks (the later ones re-read the panel from L2), from kPanelPrefetchMinRows
+//   rows: the next panel, spread over the first two blocks' k steps. On the machine before
+//   (Zen 4, where it also ran single blocks of 7-8 rows): M = 8 28.4 -> 22.5 ms, M = 9 30.2 ->
+//   22.8, M = 16 39.2 -> 35.1, M = 32 53.2 -> 50.2. Here the stream prefetch above read 1.03-1.08x
+//   slower than it at M = 9-16.
+constexpr int64_t kStreamPrefetchMinRows = 4;
+constexpr int64_t kStreamPrefetchBytes = 8192;
+constexpr int64_t kPanelPrefetchMinRows = 7;
 
-// Cache lines of the next panel to prefetch, `lines_per_k` of them per k step from `base`.
+// What to fetch during a pass: `lines_per_k` cache lines per k step from `base` (the next panel),
+// or, with `ahead` > 0, two lines (one k step's weights) `ahead` bytes past those being read.
 struct Prefetch {
   const char* base = nullptr;
   int lines_per_k = 0;
+  int64_t ahead = 0;
 };
 
 // Rows x[0..R) times one panel -> y[0..R, 0..ncols).
@@ -77,6 +87,11 @@ inline void panel_block(const float* __restrict x, int64_t K, const float* __res
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V{};
   for (int64_t k = 0; k < K; ++k) {
     for (int i = 0; i < next.lines_per_k; ++i) __builtin_prefetch(next.base + (k * next.lines_per_k + i) * 64, 0, 2);
+    if (next.ahead > 0) {  // past the panel's end this reads into the next one (or nowhere: prefetches never fault)
+      const char* line = reinterpret_cast<const char*>(panel + k * NR) + next.ahead;
+      __builtin_prefetch(line, 0, 3);
+      __builtin_prefetch(line + 64, 0, 3);
+    }
     const V w0 = *reinterpret_cast<const V*>(panel + k * NR);
     const V w1 = *reinterpret_cast<const V*>(panel + k * NR + 16);
     for (int r = 0; r < R; ++r) {
@@ -134,16 +149,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   auto panels = [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NR, ncols = std::min<int64_t>(NR, N - n0);
-      // The next panel (K * NR floats = 2K cache lines) is prefetched over this panel's first
-      // two row blocks, one line per k in each (two per k if there is a single block).
+      // A single block streams ahead of itself; with several, the next panel (K * NR floats =
+      // 2K cache lines) is prefetched over this panel's first two blocks, one line per k in each.
       const char* next = reinterpret_cast<const char*>(pp + (p + 1) * K * NR);
-      const bool prefetch = M >= kPrefetchMinRows && p + 1 < p1;
+      const bool prefetch = M >= kPanelPrefetchMinRows && p + 1 < p1;
       // Balanced row blocks: M = 9 with MR = 8 runs as 5 + 4, not 8 + 1.
       for (int64_t block = 0, m0 = 0; block < blocks; ++block) {
         const int64_t left = blocks - block;
         const int64_t rows = (M - m0 + left - 1) / left;
         Prefetch pf;
-        if (prefetch && blocks == 1) pf = {next, 2};
+        if (blocks == 1 && M >= kStreamPrefetchMinRows) pf.ahead = kStreamPrefetchBytes;
         else if (prefetch && block < 2) pf = {next + block * K * 64, 1};
         panel_rows<MR>(xp + m0 * K, K, pp + p * K * NR, yp + m0 * N + n0, N, ncols, b ? b + n0 : nullptr, rows, pf);
         m0 += rows;
