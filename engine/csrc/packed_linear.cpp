@@ -57,10 +57,11 @@ constexpr int64_t kMinParallelFloats = 1 << 16;
 // - up to MR rows (a single row block, one pass per panel): the lines kStreamPrefetchBytes ahead
 //   of the ones being read, into L1 (prefetcht0). With 4-8 rows the multiply is long enough that
 //   the hardware prefetcher alone falls behind. Measured here (Zen 5, one step's products of
-//   SmolLM2-135M, 30 layers + lm_head, 2 threads, against the next-panel prefetch below, A/B in
-//   one process): M = 8 0.88 in a fast spell, 0.95 in a slow one; M = 5 0.86; M = 4 0.97; at
-//   M = 1-2 it made no difference (0.98-1.01), so it starts at 4. 4 KB ahead read 0.93, 16 KB
-//   0.88-0.97, 8 KB with the T1 hint (an L2 fetch) 1.00.
+//   SmolLM2-135M, 30 layers + lm_head, 2 threads, against what ran before: the next-panel
+//   prefetch below from 7 rows, nothing under 7; A/B in one process): M = 8 0.88 in a fast
+//   spell, 0.95 in a slow one; M = 5 0.86; M = 4 0.97; M = 1-2 0.95-1.01 (no clear gain), so
+//   it starts at 4. At M = 8, 4 KB ahead read 0.93, 16 KB 0.88-0.97, 16 KB with the T1 hint (an
+//   L2 fetch) 1.00.
 // - several row blocks (the later ones re-read the panel from L2), from kPanelPrefetchMinRows
 //   rows: the next panel, spread over the first two blocks' k steps. On the machine before
 //   (Zen 4, where it also ran single blocks of 7-8 rows): M = 8 28.4 -> 22.5 ms, M = 9 30.2 ->
