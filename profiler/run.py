@@ -77,12 +77,12 @@ def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8
                 narrowest_totals = [timing.total_seconds[0] for timing, _ in narrowest]
                 for t, samples in runs.items():
                     secs = [timing.seconds[0] for timing, _ in samples]
+                    totals = [timing.total_seconds[0] for timing, _ in samples]
                     rows.append({"batch_size": b, "tokens_per_seq": t, "context": ctx,
                                  "num_tokens": samples[-1][1].num_tokens,
                                  "context_tokens": round(statistics.mean(r.context_tokens for _, r in samples)),
                                  "seconds": _drift_free(secs, narrowest_secs),
-                                 "total_seconds": _drift_free([x.total_seconds[0] for x, _ in samples],
-                                                              narrowest_totals),
+                                 "total_seconds": _drift_free(totals, narrowest_totals),
                                  "all_seconds": secs})
                     bar.advance(task)
                 drafts.append({"batch_size": b, "context": ctx,

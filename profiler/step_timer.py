@@ -37,14 +37,18 @@ class RandomDraftProposer:
 
 
 class ForcedK:
-    """A decider that asks for the same k everywhere and keeps the step records."""
+    """A decider that asks for the same k for every request (or for the first ``drafting`` of each
+    step and 0 for the rest, to time steps of mixed widths) and keeps the step records."""
 
-    def __init__(self, k: int = 0):
+    def __init__(self, k: int = 0, drafting: int | None = None):
         self.k = k
+        self.drafting = drafting  # None: every request
         self.records: list[StepRecord] = []
 
     def decide(self, view: StepView) -> list[int]:
-        return [self.k] * len(view.requests)
+        n = len(view.requests)
+        drafting = n if self.drafting is None else min(self.drafting, n)
+        return [self.k] * drafting + [0] * (n - drafting)
 
     def observe(self, record: StepRecord) -> None:
         self.records.append(record)

@@ -26,31 +26,17 @@ CONTEXT = 256
 STEPS_PER_CELL = 3  # timed after one untimed step of the same shape
 
 
-class FirstNDraft:
-    """A decider giving k = 1 to the first n requests of each step and 0 to the rest."""
-
-    def __init__(self):
-        self.n = 0
-        self.records = []
-
-    def decide(self, view) -> list[int]:
-        return [1 if i < self.n else 0 for i in range(len(view.requests))]
-
-    def observe(self, record) -> None:
-        self.records.append(record)
-
-
 def main(batch_size: int, rounds: int) -> None:
     loaded = load_model(None)
     latency = load_or_make_profile(loaded, None).model()
     engine = timing_engine(loaded, max_batch=batch_size, max_tokens_per_seq=2, context=CONTEXT)
     timer = StepTimer(engine)  # its proposer drafts random tokens: rejected, so a step adds one token
-    decider = FirstNDraft()
+    decider = timer.decider
 
     def refill() -> None:  # B fresh requests at CONTEXT tokens, before they run out of room
-        engine.speculator.decider = timer.decider  # plain steps while the prompts prefill
-        timer.fill(batch_size, CONTEXT)
-        engine.speculator.decider = decider
+        decider.drafting = None
+        timer.fill(batch_size, CONTEXT)  # plain steps while the prompts prefill
+        decider.k = 1
 
     refill()
     room = engine.max_model_len - CONTEXT - 64  # steps a fill lasts, with some margin
@@ -66,7 +52,7 @@ def main(batch_size: int, rounds: int) -> None:
             refill()
             steps = 0
         for n in order:
-            decider.n = n
+            decider.drafting = n
             for i in range(1 + STEPS_PER_CELL):
                 engine.step()
                 steps += 1

@@ -152,3 +152,17 @@ def test_a_cached_profile_from_an_older_profiler_is_measured_again(tiny_profile,
     profile.model_copy(update={"version": PROFILE_VERSION - 1}).save(cached)
     adaptive.load_or_make_profile(loaded, None)
     assert len(fresh) == 1  # measured again
+
+
+def test_forced_k_drafts_for_the_first_requests_only_when_asked():
+    """ForcedK gives k to every request, or (``drafting``) to the first n and 0 to the rest: the
+    mixed-width steps scripts/bench_mixed_drafts.py times against the profile's price."""
+    from types import SimpleNamespace
+
+    from specplan.profiler.step_timer import ForcedK
+
+    view = SimpleNamespace(requests=[object()] * 4)
+    assert ForcedK(2).decide(view) == [2, 2, 2, 2]
+    assert ForcedK(1, drafting=3).decide(view) == [1, 1, 1, 0]
+    assert ForcedK(1, drafting=9).decide(view) == [1, 1, 1, 1]
+    assert ForcedK(1, drafting=0).decide(view) == [0, 0, 0, 0]
