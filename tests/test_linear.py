@@ -40,6 +40,17 @@ def test_matches_f_linear(m, n, k):
     assert torch.allclose(PackedLinear(w)(x), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("m", [9, 17, 70, 130])
+@pytest.mark.parametrize("n,k", [(97, 100), (576, 576)])
+def test_rows_agree_bit_for_bit_with_one_row_at_a_time(m, n, k):
+    # Several row blocks go through K in chunks (groups of rows, accumulators parked between
+    # chunks); one row makes a single pass. The sum over k runs in the same order either way.
+    g = torch.Generator().manual_seed(m + n + k)
+    linear = PackedLinear(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    assert torch.equal(linear(x), torch.cat([linear(x[i:i + 1]) for i in range(m)]))
+
+
 def test_bias_and_leading_dims():
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(50, 20, generator=g), torch.randn(50, generator=g)

@@ -6,7 +6,7 @@
 // Why: a decode or verify step multiplies M = 1..~64 rows by every weight of the model, so the
 // step is bound by streaming the weights once from memory. MKL's SGEMM (packed or not) reaches a
 // fraction of the bandwidth at these row counts (DESIGN.md §7); this kernel streams each weight
-// byte exactly once per M-block and keeps the FMA units busy from M ≈ 8 on.
+// byte from memory once per 64 rows and keeps the FMA units busy from M ≈ 8 on.
 //
 // Layouts:
 //   x       [M, K]          float32, contiguous
@@ -20,11 +20,20 @@
 //   [[a0 a1] [b0 b1] [c0 c1] [d0 d1] [e0 e1] [f0 f1]]  packs to P = 2 panels
 //   panel 0 = [a0 b0 c0 d0 | a1 b1 c1 d1],  panel 1 = [e0 f0 0 0 | e1 f1 0 0].
 // y[m, 0..3] = sum_k x[m, k] * panel0[k, 0..3]: per k, one vector load of the weights and one
-// broadcast of x[m, k] per row m; the accumulators of MR rows stay in registers for the whole K.
+// broadcast of x[m, k] per row m; the accumulators of up to MR rows stay in registers for a pass.
 //
-// Work split: panels are divided between the threads of torch's intra-op pool; within a panel
-// the M rows go through in balanced blocks of at most MR rows, re-reading the panel from L1/L2
-// (not from memory) for every block after the first.
+// Work split: panels are divided between the threads of torch's intra-op pool. Within a panel the
+// rows go in balanced groups of at most kGroupRows, each group in balanced blocks of at most MR rows. With
+// one block, the pass runs over the whole K. With several (and up to kChunkMaxRows rows), K goes in chunks of kChunkK steps and
+// every block takes its turn on a chunk before the next chunk: the chunk (kChunkK * NR floats =
+// 4 KB) is fetched from memory once, by the first block, and the others re-read it from L1. The
+// accumulators of a group wait in acc [rows, NR] between chunks (exact: the sum over k runs in the
+// same order as in one pass).
+//
+// Worked example, M = 17 rows (3 blocks: 6 + 6 + 5), K = 576 (18 chunks of 32):
+//   chunk 0: rows 0-5, then 6-11, then 12-16 over k = 0..31   (weights from memory, then L1, L1)
+//   chunk 1: the same three blocks over k = 32..63           ...
+//   then acc [17, 32] (+ bias) -> y[0..17, n0..n0+32).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -51,45 +60,40 @@ constexpr int MR = 3;
 #endif
 // Below this many weight floats a product runs on the calling thread (waking a thread costs more).
 constexpr int64_t kMinParallelFloats = 1 << 16;
-// How a pass over a panel fetches the weights ahead of its math (Prefetch), by row count M:
-// - M < kStreamPrefetchMinRows: nothing; the loop is a plain stream the hardware prefetcher runs
-//   best alone.
-// - up to MR rows (a single row block, one pass per panel): the lines kStreamPrefetchBytes ahead
-//   of the ones being read, into L1 (prefetcht0). With 4-8 rows the multiply is long enough that
-//   the hardware prefetcher alone falls behind. Measured here (Zen 5, one step's products of
-//   SmolLM2-135M, 30 layers + lm_head, 2 threads, against what ran before: the next-panel
-//   prefetch below from 7 rows, nothing under 7; A/B in one process): M = 8 0.88 in a fast
-//   spell, 0.95 in a slow one; M = 5 0.86; M = 4 0.97; M = 1-2 0.95-1.01 (no clear gain), so
-//   it starts at 4. At M = 8, 4 KB ahead read 0.93, 16 KB 0.88-0.97, 16 KB with the T1 hint (an
-//   L2 fetch) 1.00.
-// - several row blocks (the later ones re-read the panel from L2), from kPanelPrefetchMinRows
-//   rows: the next panel, spread over the first two blocks' k steps. On the machine before
-//   (Zen 4, where it also ran single blocks of 7-8 rows): M = 8 28.4 -> 22.5 ms, M = 9 30.2 ->
-//   22.8, M = 16 39.2 -> 35.1, M = 32 53.2 -> 50.2. Here the stream prefetch above read 1.03-1.08x
-//   slower than it at M = 9-16.
+// Rows per group (the accumulators of a group live in a [kGroupRows, NR] buffer: 8 KB).
+constexpr int64_t kGroupRows = 64;
+// k steps per chunk when a group has several blocks: 4 KB of one panel, well inside L1 (32-48 KB);
+// up to kChunkMaxRows rows. Past that (prompt chunks, compute-bound) a block makes one pass over
+// the whole K, re-reading the panel from L2: measured against chunks, M = 256 0.94, M = 512 0.83.
+constexpr int64_t kChunkK = 32;
+constexpr int64_t kChunkMaxRows = 128;
+// From this many rows on, every pass prefetches the weights kStreamPrefetchBytes ahead of the
+// ones it reads, into L1 (prefetcht0, two lines per k step): with 4 or more rows the multiply is
+// long enough that the hardware prefetcher alone falls behind; with 1-3 it runs the plain stream
+// best alone. Measured here (Zen 5, one step's products of SmolLM2-135M: 30 layers + lm_head,
+// 2 threads; A/B in one process against the kernel before): a single block of M = 8 0.88 in a fast
+// spell, 0.95 in a slow one, M = 5 0.86, M = 4 0.97, M = 1-2 0.95-1.01; 4 KB ahead read 0.93 and
+// 16 KB 0.88-0.97 at M = 8. Several blocks, chunked as above with every block prefetching, against
+// one pass per block over the whole K with the next panel prefetched into L2: M = 9 0.86, 12 0.85,
+// 16 0.94, 17 0.91, 20 0.90, 24-64 0.98-1.02 (compute-bound there). Chunks of 64 or 128 k steps,
+// 4 or 16 KB ahead, or the prefetch in the first block only read 1.0-1.1x of chunks of 32 at 8 KB.
 constexpr int64_t kStreamPrefetchMinRows = 4;
 constexpr int64_t kStreamPrefetchBytes = 8192;
-constexpr int64_t kPanelPrefetchMinRows = 7;
 
-// What to fetch during a pass: `lines_per_k` cache lines per k step from `base` (the next panel),
-// or, with `ahead` > 0, two lines (one k step's weights) `ahead` bytes past those being read.
-struct Prefetch {
-  const char* base = nullptr;
-  int lines_per_k = 0;
-  int64_t ahead = 0;
-};
-
-// Rows x[0..R) times one panel -> y[0..R, 0..ncols).
+// acc [R, NR] (+)= x[0..R, k0..k1) times the panel's k steps k0..k1; starts from zero when `init`.
+// With prefetch_ahead > 0 each k step also fetches the two lines that many bytes past its own
+// (past the panel's end that is the next panel, or nowhere: prefetches never fault).
 template <int R>
-inline void panel_block(const float* __restrict x, int64_t K, const float* __restrict panel,
-                        float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
-                        Prefetch next) {
+inline void panel_block(const float* __restrict x, int64_t K, int64_t k0, int64_t k1, const float* __restrict panel,
+                        float* __restrict acc_out, bool init, int64_t prefetch_ahead) {
   V acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V{};
-  for (int64_t k = 0; k < K; ++k) {
-    for (int i = 0; i < next.lines_per_k; ++i) __builtin_prefetch(next.base + (k * next.lines_per_k + i) * 64, 0, 2);
-    if (next.ahead > 0) {  // past the panel's end this reads into the next one (or nowhere: prefetches never fault)
-      const char* line = reinterpret_cast<const char*>(panel + k * NR) + next.ahead;
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = init ? V{} : *reinterpret_cast<const V*>(acc_out + r * NR);
+    acc[r][1] = init ? V{} : *reinterpret_cast<const V*>(acc_out + r * NR + 16);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    if (prefetch_ahead > 0) {
+      const char* line = reinterpret_cast<const char*>(panel + k * NR) + prefetch_ahead;
       __builtin_prefetch(line, 0, 3);
       __builtin_prefetch(line + 64, 0, 3);
     }
@@ -102,26 +106,19 @@ inline void panel_block(const float* __restrict x, int64_t K, const float* __res
     }
   }
   for (int r = 0; r < R; ++r) {
-    float out[NR];
-    *reinterpret_cast<V*>(out) = acc[r][0];
-    *reinterpret_cast<V*>(out + 16) = acc[r][1];
-    float* row = y + r * ldy;
-    if (bias != nullptr) {
-      for (int64_t j = 0; j < ncols; ++j) row[j] = out[j] + bias[j];
-    } else {
-      std::copy(out, out + ncols, row);
-    }
+    *reinterpret_cast<V*>(acc_out + r * NR) = acc[r][0];
+    *reinterpret_cast<V*>(acc_out + r * NR + 16) = acc[r][1];
   }
 }
 
 // panel_block with the row count R chosen at run time (1 <= rows <= R).
 template <int R>
-inline void panel_rows(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int64_t ncols,
-                       const float* bias, int64_t rows, Prefetch next) {
+inline void panel_rows(const float* x, int64_t K, int64_t k0, int64_t k1, const float* panel, float* acc_out, bool init,
+                       int64_t rows, int64_t prefetch_ahead) {
   if constexpr (R > 1) {
-    if (rows < R) return panel_rows<R - 1>(x, K, panel, y, ldy, ncols, bias, rows, next);
+    if (rows < R) return panel_rows<R - 1>(x, K, k0, k1, panel, acc_out, init, rows, prefetch_ahead);
   }
-  panel_block<R>(x, K, panel, y, ldy, ncols, bias, next);
+  panel_block<R>(x, K, k0, k1, panel, acc_out, init, prefetch_ahead);
 }
 
 }  // namespace
@@ -145,24 +142,37 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* xp = x.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (M + MR - 1) / MR;
+  const int64_t prefetch_ahead = M >= kStreamPrefetchMinRows ? kStreamPrefetchBytes : 0;
+  const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
 
   auto panels = [&](int64_t p0, int64_t p1) {
+    alignas(64) float acc[kGroupRows * NR];  // [group rows, NR]
     for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = pp + p * K * NR;
       const int64_t n0 = p * NR, ncols = std::min<int64_t>(NR, N - n0);
-      // A single block streams ahead of itself; with several, the next panel (K * NR floats =
-      // 2K cache lines) is prefetched over this panel's first two blocks, one line per k in each.
-      const char* next = reinterpret_cast<const char*>(pp + (p + 1) * K * NR);
-      const bool prefetch = M >= kPanelPrefetchMinRows && p + 1 < p1;
-      // Balanced row blocks: M = 9 with MR = 8 runs as 5 + 4, not 8 + 1.
-      for (int64_t block = 0, m0 = 0; block < blocks; ++block) {
-        const int64_t left = blocks - block;
-        const int64_t rows = (M - m0 + left - 1) / left;
-        Prefetch pf;
-        if (blocks == 1 && M >= kStreamPrefetchMinRows) pf.ahead = kStreamPrefetchBytes;
-        else if (prefetch && block < 2) pf = {next + block * K * 64, 1};
-        panel_rows<MR>(xp + m0 * K, K, pp + p * K * NR, yp + m0 * N + n0, N, ncols, b ? b + n0 : nullptr, rows, pf);
-        m0 += rows;
+      for (int64_t g = 0, g0 = 0, group = 0; g < groups; ++g, g0 += group) {
+        group = (M - g0 + groups - g - 1) / (groups - g);  // balanced: 65 rows run as 33 + 32
+        const int64_t blocks = (group + MR - 1) / MR;
+        const int64_t chunk = blocks == 1 || M > kChunkMaxRows ? K : kChunkK;
+        for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+          const int64_t k1 = std::min(K, k0 + chunk);
+          // Balanced row blocks: 9 rows with MR = 8 run as 5 + 4, not 8 + 1.
+          for (int64_t block = 0, m0 = 0; block < blocks; ++block) {
+            const int64_t left = blocks - block;
+            const int64_t rows = (group - m0 + left - 1) / left;
+            panel_rows<MR>(xp + (g0 + m0) * K, K, k0, k1, panel, acc + m0 * NR, k0 == 0, rows, prefetch_ahead);
+            m0 += rows;
+          }
+        }
+        for (int64_t m = 0; m < group; ++m) {
+          const float* out = acc + m * NR;
+          float* row = yp + (g0 + m) * N + n0;
+          if (b != nullptr) {
+            for (int64_t j = 0; j < ncols; ++j) row[j] = out[j] + b[n0 + j];
+          } else {
+            std::copy(out, out + ncols, row);
+          }
+        }
       }
     }
   };
