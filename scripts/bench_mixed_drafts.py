@@ -5,11 +5,16 @@ planner prices steps where a few requests draft and the rest do not. This times 
 requests decoding at context ~256, n of them with k = 1 (n = 0 is plain decoding), the values of n
 shuffled within each round so the VM's slow and fast minutes hit them alike. Per n it prints the
 median forward + verify time over plain decoding and what the cached profile's latency model
-predicts for the same step. Measured here at B=16: the first draft added 1.9 ms where the profile
-said 0.54 (17 rows run the products in three row blocks instead of two of 8), four drafts 3.2 ms.
+predicts for the same step. Measured here at B=16 (20 rounds, every n): with the product kernel
+that ran each row block over the whole K, the first draft added 2.7 ms where the profile said
+0.73 (17 rows: three row blocks instead of two of 8), then about 0.55 ms per draft; at B=8, odd
+draft counts (unequal blocks) cost 2.1-2.3 ms and even ones 1.1-1.3. With every block on each
+4 KB chunk in turn (c22423e): B=16 +0.97 ms for the first draft (profile 0.70), +9.0 for 16
+(profile 11.3); B=8 +0.4-0.9 for 1-3 drafts, +2.1 for 8.
 
-A development benchmark: `.venv/bin/python scripts/bench_mixed_drafts.py [B] [rounds]` from the
-repo root, on a quiet machine (uses the cached profile, or measures a quick one)."""
+A development benchmark: `.venv/bin/python scripts/bench_mixed_drafts.py [B] [rounds] [all]` from
+the repo root, on a quiet machine (uses the cached profile, or measures a quick one); `all` times
+every n from 0 to B + 1 instead of 0, 1, 2, 4, B/2 and B."""
 import random
 import statistics
 import sys
@@ -26,7 +31,7 @@ CONTEXT = 256
 STEPS_PER_CELL = 3  # timed after one untimed step of the same shape
 
 
-def main(batch_size: int, rounds: int) -> None:
+def main(batch_size: int, rounds: int, every_count: bool = False) -> None:
     loaded = load_model(None)
     latency = load_or_make_profile(loaded, None).model()
     engine = timing_engine(loaded, max_batch=batch_size, max_tokens_per_seq=2, context=CONTEXT)
@@ -41,7 +46,7 @@ def main(batch_size: int, rounds: int) -> None:
     refill()
     room = engine.max_model_len - CONTEXT - 64  # steps a fill lasts, with some margin
     steps = 0
-    counts = sorted({0, 1, 2, 4, batch_size // 2, batch_size})
+    counts = list(range(batch_size + 2)) if every_count else sorted({0, 1, 2, 4, batch_size // 2, batch_size})
     seconds: dict[int, list[float]] = {n: [] for n in counts}
     contexts: dict[int, list[int]] = {n: [] for n in counts}
     rng = random.Random(0)
@@ -76,4 +81,5 @@ def main(batch_size: int, rounds: int) -> None:
 
 if __name__ == "__main__":
     with torch.inference_mode():
-        main(int(sys.argv[1]) if len(sys.argv) > 1 else 16, int(sys.argv[2]) if len(sys.argv) > 2 else 40)
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 16, int(sys.argv[2]) if len(sys.argv) > 2 else 40,
+             len(sys.argv) > 3 and sys.argv[3] == "all")
