@@ -74,9 +74,10 @@ constexpr int64_t kChunkMaxRows = 128;
 // 2 threads; A/B in one process against the kernel before): a single block of M = 8 0.88 in a fast
 // spell, 0.95 in a slow one, M = 5 0.86, M = 4 0.97, M = 1-2 0.95-1.01; 4 KB ahead read 0.93 and
 // 16 KB 0.88-0.97 at M = 8. Several blocks, chunked as above with every block prefetching, against
-// one pass per block over the whole K with the next panel prefetched into L2: M = 9 0.86, 12 0.85,
-// 16 0.94, 17 0.91, 20 0.90, 24-64 0.98-1.02 (compute-bound there). Chunks of 64 or 128 k steps,
-// 4 or 16 KB ahead, or the prefetch in the first block only read 1.0-1.1x of chunks of 32 at 8 KB.
+// one pass per block over the whole K with the next panel prefetched into L2 (fast and slow
+// spells): M = 9 0.87, 12 0.86-0.96, 16 0.94-1.02, 17 0.89-0.92, 20 0.90-0.96, 32-33 0.92-0.96,
+// 40-64 0.98-1.02 (compute-bound there). Chunks of 64 or 128 k steps, 4 or 16 KB ahead, or the
+// prefetch in the first block only read 1.0-1.1x of chunks of 32 at 8 KB.
 constexpr int64_t kStreamPrefetchMinRows = 4;
 constexpr int64_t kStreamPrefetchBytes = 8192;
 
