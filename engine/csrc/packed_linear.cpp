@@ -22,13 +22,13 @@
 // y[m, 0..3] = sum_k x[m, k] * panel0[k, 0..3]: per k, one vector load of the weights and one
 // broadcast of x[m, k] per row m; the accumulators of up to MR rows stay in registers for a pass.
 //
-// Work split: panels are divided between the threads of torch's intra-op pool. Within a panel the
-// rows go in balanced groups of at most kGroupRows, each group in balanced blocks of at most MR rows. With
-// one block, the pass runs over the whole K. With several (and up to kChunkMaxRows rows), K goes in chunks of kChunkK steps and
-// every block takes its turn on a chunk before the next chunk: the chunk (kChunkK * NR floats =
-// 4 KB) is fetched from memory once, by the first block, and the others re-read it from L1. The
-// accumulators of a group wait in acc [rows, NR] between chunks (exact: the sum over k runs in the
-// same order as in one pass).
+// Work split: panels are divided between the threads of torch's intra-op pool. Within a panel
+// the rows go in balanced groups of at most kGroupRows, each group in balanced blocks of at most
+// MR rows. With one block, the pass runs over the whole K. With several (and at most
+// kChunkMaxRows rows in all), K goes in chunks of kChunkK steps and every block takes its turn on
+// a chunk before the next chunk: the chunk (kChunkK * NR floats = 4 KB) is fetched from memory
+// once, by the first block, and the others re-read it from L1. The accumulators of a group wait in
+// acc [rows, NR] between chunks (exact: the sum over k runs in the same order as in one pass).
 //
 // Worked example, M = 17 rows (3 blocks: 6 + 6 + 5), K = 576 (18 chunks of 32):
 //   chunk 0: rows 0-5, then 6-11, then 12-16 over k = 0..31   (weights from memory, then L1, L1)
