@@ -51,6 +51,14 @@ def test_rows_agree_bit_for_bit_with_one_row_at_a_time(m, n, k):
     assert torch.equal(linear(x), torch.cat([linear(x[i:i + 1]) for i in range(m)]))
 
 
+def test_empty_inner_dimension_gives_the_bias():
+    w, b = torch.randn(40, 0), torch.randn(40)
+    for m in (3, 12):
+        x = torch.randn(m, 0)
+        assert torch.equal(PackedLinear(w, b)(x), F.linear(x, w, b))
+        assert torch.equal(PackedLinear(w)(x), torch.zeros(m, 40))
+
+
 def test_bias_and_leading_dims():
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(50, 20, generator=g), torch.randn(50, generator=g)

@@ -140,6 +140,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
+  if (K == 0) {  // an empty sum: the passes below would never start their accumulators
+    y.zero_();
+    return b != nullptr ? y.add_(*bias) : y;
+  }
   const float* xp = x.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
