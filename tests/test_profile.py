@@ -54,6 +54,25 @@ def test_each_timed_step_follows_a_step_of_its_own_width(monkeypatch):
     assert all(i > 0 and steps[i - 1][0] == steps[i][0] for i in timed)
 
 
+def test_the_contexts_of_one_batch_size_are_measured_back_to_back(monkeypatch):
+    """The fit compares contexts within each B: measured a whole pass over B apart, they came from
+    different spells of the VM and the fit read the spells' difference as the cost of context."""
+    from specplan.profiler.step_timer import StepTimer
+
+    fills = []
+    real = StepTimer.fill
+
+    def spy(self, batch_size, context):
+        fills.append((batch_size, context))
+        return real(self, batch_size, context)
+
+    monkeypatch.setattr(StepTimer, "fill", spy)
+    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32, num_hidden_layers=1))
+    measure_grid(loaded, GridSpec(batch_sizes=(1, 2), tokens_per_seq=(1, 2), contexts=(16, 32), repeats=1),
+                 layer_skip_layers=1, progress=False)
+    assert fills == [(1, 16), (1, 32), (2, 16), (2, 32)]
+
+
 def test_the_grid_keeps_each_pass_ratios_when_the_machine_slows_mid_pass(monkeypatch):
     """The machine halves its speed in the middle of the third pass (after T=1's step, before
     T=2's): plain per-width medians would read T=2 and T=3 at twice their cost relative to T=1."""
