@@ -36,9 +36,9 @@ from .goodput import StepCostModel
 @dataclass(frozen=True)
 class Allocation:
     ks: tuple[int, ...]  # drafts per request (0 = no speculation)
-    goodput: float  # predicted emitted tokens per second of the chosen step
-    step_s: float  # predicted seconds of the chosen step
-    off_goodput: float  # predicted tokens per second with k = 0 everywhere
+    goodput: float  # predicted emitted tokens per charged second (StepCostModel.charged_seconds)
+    step_s: float  # predicted seconds of the chosen step, all of it
+    off_goodput: float  # the same goodput with k = 0 everywhere
     meets_sla: bool = True  # False when even plain decoding is predicted to break the ITL SLA
 
     @property
@@ -120,7 +120,11 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     zeros = (0,) * num
     if num == 0:
         return Allocation((), 0.0, 0.0, 0.0)
-    fixed = cost.overhead_s
+    # Goodput is over the seconds charged to the decodes (StepCostModel.charged_seconds); the
+    # SLA bounds the whole step. Both differ by the constant ``shared``, so the search runs on
+    # charged seconds against an SLA lowered by it.
+    shared = cost.shared_s
+    fixed = cost.overhead_s - shared
     t_cache: dict[int, float] = {}
 
     def target_s(n: int) -> float:
@@ -129,10 +133,11 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
             t = t_cache[n] = cost.target_seconds(n)
         return t
 
-    off_s = target_s(0) + fixed
+    off_s = target_s(0) + fixed  # charged
     off_goodput = num / off_s
-    if sla_itl_s is not None and off_s > sla_itl_s:
-        return Allocation(zeros, off_goodput, off_s, off_goodput, meets_sla=False)  # nothing can meet it
+    sla_s = sla_itl_s - shared if sla_itl_s is not None else None
+    if sla_s is not None and off_s > sla_s:
+        return Allocation(zeros, off_goodput, off_s + shared, off_goodput, meets_sla=False)  # nothing can meet it
     # Speculation must beat plain decoding by a margin: the model is not exact, and "never slower
     # than off" matters more than a sliver of predicted gain.
     floor = off_goodput * (1.0 + min_relative_gain)
@@ -140,7 +145,7 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     gains = [e.marginal_gains(c) for e, c in zip(estimates, caps)]
     deepest = max(len(g) for g in gains)
     if deepest == 0:
-        return Allocation(zeros, off_goodput, off_s, off_goodput)
+        return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
     draft = cost.draft_cost
     # A draft model pays one pass per position up to the deepest k, a cost that does not split
     # across requests; so try each depth cap D (drafts at positions <= D only) and keep the best.
@@ -164,14 +169,14 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
 
         search = _branch_and_bound if assume_monotone else _scan
         try:
-            n, g, t = search(cum, num, step_s, sla_itl_s, best_g)
+            n, g, t = search(cum, num, step_s, sla_s, best_g)
         except _NotMonotone:  # a prediction fell as tokens grew: the bounds do not hold
-            n, g, t = _scan(cum, num, step_s, sla_itl_s, best_g)
+            n, g, t = _scan(cum, num, step_s, sla_s, best_g)
         if n and g > best_g:
             best_n, best_g, best_s, chosen = n, g, t, order
     if best_n == 0:
-        return Allocation(zeros, off_goodput, off_s, off_goodput)
+        return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
     ks = [0] * num
     for x in chosen[:best_n]:
         ks[x // deepest] += 1
-    return Allocation(tuple(ks), best_g, best_s, off_goodput)
+    return Allocation(tuple(ks), best_g, best_s + shared, off_goodput)

@@ -83,7 +83,16 @@ class PolicyState:
         if self.latency is None:
             raise ValueError("this policy needs a latency model (a profile); none was given to the planner")
         slope = self.draft_slope if draft_slope is None else draft_slope
-        return StepCostModel(self.latency, self.base, self.draft_cost, self.overhead_s, slope, self.draft_jump)
+        return StepCostModel(self.latency, self.base, self.draft_cost, self.overhead_s, slope, self.draft_jump,
+                             shared_s=self._prefill_seconds())
+
+    def _prefill_seconds(self) -> float:
+        """The base step's time beyond what its decodes alone would take (0 without prefill chunks)."""
+        n = len(self.requests)
+        if n == 0 or self.base.num_tokens <= n:
+            return 0.0
+        decodes = StepShape(n, n, sum(r.context_tokens for r in self.requests))
+        return max(0.0, self.latency.predict(self.base) - self.latency.predict(decodes))
 
     def capped(self, k: int) -> list[int]:
         """The same k for every request, within each request's cap."""

@@ -24,6 +24,8 @@ from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, D
 from specplan.planner.acceptance import ProposerPrior, default_prior, match_bucket
 from specplan.planner.drift import DraftPrice, DraftSlope
 from specplan.planner.goodput import priced_seconds
+from specplan.policies.base import PolicyState, RequestState
+from specplan.policies.goodput import GoodputPolicy
 from specplan.profiler.latency_model import StepShape
 
 from conftest import RidgeLatency
@@ -278,6 +280,31 @@ def test_prefill_tokens_in_the_step_count():
     assert shared.step_s == pytest.approx(ridge.predict(StepShape(5, 4 + 20 + 12, 400 + 20 + 12)))
     # A 256-token chunk: even plain decoding breaks the SLA.
     assert not allocate(four, [8] * 4, cost_for(ridge, 4, prefill_tokens=256), sla_itl_s=0.05).meets_sla
+
+
+def test_a_prefill_chunk_does_not_make_decode_tokens_look_dear():
+    """Goodput charges the decodes only their share of a step that also prefills: over the whole
+    step, a 256-token chunk made each decode token look 9x as dear, and a draft accepted 5% of
+    the time look worth its compute-bound price."""
+    ridge = RidgeLatency(a=0.03, b=0.001, ridge_tokens=16)
+    poor, good = [est(0.05)] * 4, [est(0.9)] * 4
+    # Plain decode step: 30 ms for 4 tokens (7.5 ms each). Beside the chunk, each draft adds 1 ms:
+    # worth it at 0.9 x 7.5 ms, not at 0.05 x 7.5 ms (the whole step's 274 ms / 4 said 3.4 ms).
+    cost = cost_for(ridge, 4, prefill_tokens=256, context=10)
+    assert cost.shared_s == 0.0  # cost_for leaves it to PolicyState: see below
+    state = PolicyState(requests=tuple(RequestState(i, f"r{i}", 8, 10, e, None, 0) for i, e in enumerate(poor)),
+                        base=cost.base, proposer="ngram", workload="w", max_k=8, latency=ridge)
+    charged = state.cost_model()
+    assert charged.shared_s == pytest.approx(ridge.predict(cost.base) - ridge.predict(StepShape(4, 4, 40)))
+    assert allocate(poor, [8] * 4, cost).total_drafts > 0  # the whole step as the denominator
+    assert allocate(poor, [8] * 4, charged).ks == (0, 0, 0, 0)
+    chosen = allocate(good, [8] * 4, charged)
+    assert chosen.total_drafts > 0
+    assert chosen.step_s == pytest.approx(ridge.predict(StepShape(5, 260 + chosen.total_drafts, 40 + chosen.total_drafts)))
+    # The SLA still bounds the whole step: 300.5 ms leaves room for 26 drafts beside the chunk.
+    assert chosen.total_drafts > 26
+    assert allocate(good, [8] * 4, charged, sla_itl_s=0.3005).total_drafts == 26
+    assert GoodputPolicy().plan(state).ks == (0, 0, 0, 0)
 
 
 def test_draft_model_pass_cost_prefers_shallow_wide_drafts():
