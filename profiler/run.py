@@ -61,7 +61,7 @@ def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8
         # pass over B (~30 s in the quick grid) apart. Context-outer put every context-128 step in
         # one spell of this VM and every context-512 step in another, and the fit read the spells'
         # difference as the cost of context: held-out error 4.4-12.4% over four quick profiles,
-        # where each context alone fitted to 2.1-4.8%; B-outer, three profiles read 6.3-7.6%.
+        # where each context alone fitted to 2.1-4.8%; B-outer, four profiles read 6.3-9.4%.
         for b in spec.batch_sizes:
             for ctx in spec.contexts:
                 timer.fill(b, ctx)
