@@ -22,7 +22,7 @@ from ..profiler.latency_model import LatencyModel, StepShape
 from .acceptance import (LOOKUP_PROPOSERS, AcceptanceConfig, PooledAcceptance, ProposerPrior, RequestAcceptance,
                          default_prior, match_bucket)
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
-from .goodput import DraftCost, priced_seconds
+from .goodput import DraftCost, draft_increment, priced_seconds
 from .timing import StepTimingLearner, TimingConfig
 
 if TYPE_CHECKING:  # protocol and data types only; importing the engine package would import torch
@@ -186,7 +186,8 @@ class Planner:
                             sla_itl_s=self.sla_itl_s, roofline=self.roofline,
                             draft_slope=price.slope, explore_slope=self.draft_slope.explore_slope(num_decodes, price),
                             draft_jump=price.jump,
-                            draft_budget=getattr(view, "draft_budget", None))
+                            draft_budget=getattr(view, "draft_budget", None),
+                            draft_baseline=self.draft_slope.has_baseline(num_decodes))
         ks = self.policy.choose(state)
         if len(ks) != num_decodes:
             raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")
@@ -236,9 +237,10 @@ class Planner:
             if decode_only:
                 self.draft_slope.observe_plain(num_decodes, predicted, measured)
             return
-        base_s = model.predict(StepShape(record.num_seqs, record.num_tokens - drafts, record.context_tokens - drafts))
-        with_drafts_s = model.predict(shape)
+        base = StepShape(record.num_seqs, record.num_tokens - drafts, record.context_tokens - drafts)
+        base_s = model.predict(base)
+        increment = draft_increment(base_s, model.predict(shape), drafts, base.num_tokens)
         price = self.draft_slope.price(num_decodes)
-        self.drift.update(priced_seconds(base_s, with_drafts_s, price.slope, price.jump), measured)
+        self.drift.update(priced_seconds(base_s, increment, price.slope, price.jump), measured)
         if decode_only:
-            self.draft_slope.observe_drafts(num_decodes, base_s, with_drafts_s, measured)
+            self.draft_slope.observe_drafts(num_decodes, base_s, increment, measured)

@@ -71,7 +71,10 @@ class DraftSlopeConfig:
 
     discount: float = 0.98  # per observed decode step: ~50 steps of memory
     unit_increment: float = 0.1  # a step whose drafts add 10% to its predicted time is one unit of evidence
-    prior_units: float = 1.0  # the profile's slope (1) counts as this many units
+    # The profile's slope (1) counts as this many units. Drafts priced near the floor make small
+    # increments (x ~ 0.05 for 10 drafts at B = 4), and at 1 unit the prior outweighed them: a
+    # machine charging 2.5x the floor was learned as 1.3x (tests/test_planner.py, ``free``).
+    prior_units: float = 0.25
     optimism: float = 0.5  # with no evidence, exploration prices drafts at (1 - optimism) x the slope
     min_slope: float = 0.1
     max_slope: float = 4.0
@@ -83,6 +86,9 @@ class DraftSlopeConfig:
     # whose costs do not sit on a line through the plain step. Very large values pin it to 0.
     jump_prior_units: float = 100.0
     max_jump: float = 0.5  # |jump| stays within half a base step
+    # A baseline is fresh while the bucket's discounted count of plain steps is at least this:
+    # at 0.25 and a discount of 0.98, for ~70 decode steps after a plain one (``has_baseline``).
+    fresh_baseline: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 < self.discount <= 1.0:
@@ -110,6 +116,7 @@ class _Bucket:
     wxz: float = 0.0
     wdz: float = 0.0
     plain_steps: int = 0
+    plain_w: float = 0.0  # discounted count of plain steps: how fresh the baseline is
     evidence: float = 0.0  # sum of x^2 over steps with drafts, discounted only by such steps
 
 
@@ -131,10 +138,12 @@ class DraftSlope:
     1-token step where 1.06-1.12x was measured), and then the policy never speculates there and
     never learns otherwise. So we learn, per batch-size bucket (powers of two), a slope s with
 
-        step(base + n drafts) = r * [T(base) + s * (T(base + n) - T(base))]
+        step(base + n drafts) = r * [T(base) + s * dT(n)]
 
-    T the profile's model and r the machine's current level against it. With x = (T(base + n) -
-    T(base)) / T(base) the model's relative increment (0 for a plain step) and z = measured /
+    T the profile's model, dT(n) its increment for the n drafts (T(base + n) - T(base), but never
+    under a small floor per draft: planner/goodput.py ``draft_increment``; a profile that prices
+    drafts at 0 would leave s nothing to scale) and r the machine's current level against it.
+    With x = dT(n) / T(base) the model's relative increment (0 for a plain step) and z = measured /
     T(base), that is z = r + (r s) x: a line, fitted by discounted least squares over this bucket's
     recent decode steps, plain and speculative alike, with s pulled toward the profile's 1 by
     ``prior_units`` steps' worth of a 10% increment. Why both at once: the level moves with the
@@ -151,7 +160,7 @@ class DraftSlope:
     step with drafts: j is what having drafts at all costs beyond the slope, relative to the base
     step (negative when the model's first draft is too dear), pulled toward 0 by
     ``jump_prior_units`` steps. Steps with different numbers of drafts tell j from s. Drafts are
-    then priced at max(0, s (T(base + n) - T(base)) + j T(base)) (``priced_seconds``).
+    then priced at max(0, s dT(n) + j T(base)) (``priced_seconds``).
 
     Exploration: a policy that prices drafts too high turns speculation off and then sees no
     speculative step to learn from. ``explore_slope`` is an optimistic slope for that case,
@@ -203,9 +212,14 @@ class DraftSlope:
         return price.slope * (1.0 - self.config.optimism / (1.0 + price.units))
 
     def has_baseline(self, num_seqs: int) -> bool:
-        """Whether a plain step of this batch size was seen (what speculative steps are measured against)."""
+        """Whether a plain step of this batch size was seen recently (what speculative steps are
+        measured against; the goodput policy takes one when not). Without recent plain steps the
+        fit has only steps with drafts, and when their counts vary little it cannot tell the level
+        from the drafts' cost: the prior pulls the slope toward 1 and the level takes the rest.
+        With one plain step at the start only, 10 drafts that cost 12.5% of a B = 4 step were
+        priced at ~7%."""
         b = self._buckets.get(self.bucket(num_seqs))
-        return b is not None and b.plain_steps > 0
+        return b is not None and b.plain_steps > 0 and b.plain_w >= self.config.fresh_baseline
 
     def observe_plain(self, num_seqs: int, predicted_s: float, measured_s: float) -> None:
         """A decode step without drafts: the machine's level at this batch size right now."""
@@ -214,18 +228,19 @@ class DraftSlope:
             self._add(b, 0.0, measured_s / predicted_s)
             b.plain_steps += 1
 
-    def observe_drafts(self, num_seqs: int, base_s: float, with_drafts_s: float, measured_s: float) -> None:
-        """A decode step that carried drafts: base_s / with_drafts_s are the model's predictions
-        without and with them."""
-        if not (self.has_baseline(num_seqs) and base_s > 0 and with_drafts_s > base_s and measured_s > 0):
-            return  # no plain baseline yet, or no increment predicted: nothing to learn from
+    def observe_drafts(self, num_seqs: int, base_s: float, increment_s: float, measured_s: float) -> None:
+        """A decode step that carried drafts: base_s is the model's prediction without them,
+        increment_s what it adds for them (planner/goodput.py ``draft_increment``, never 0)."""
+        if not (self.has_baseline(num_seqs) and base_s > 0 and increment_s > 0 and measured_s > 0):
+            return  # no plain baseline yet: nothing to compare with
         b = self._buckets[self.bucket(num_seqs)]
-        x = (with_drafts_s - base_s) / base_s
+        x = increment_s / base_s
         self._add(b, x, measured_s / base_s, drafted=True)
         b.evidence = b.evidence * self.config.discount + x * x
 
     def _add(self, b: _Bucket, x: float, z: float, drafted: bool = False) -> None:
         g, d = self.config.discount, float(drafted)
+        b.plain_w = b.plain_w * g + (1.0 - d)
         b.w = b.w * g + 1.0
         b.wx = b.wx * g + x
         b.wxx = b.wxx * g + x * x

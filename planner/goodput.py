@@ -56,11 +56,32 @@ class DraftCost:
         return self.per_pass_s * deepest_k + self.per_token_s * total_drafts
 
 
-def priced_seconds(base_s: float, with_drafts_s: float, slope: float = 1.0, jump: float = 0.0) -> float:
-    """A step with drafts as the planner prices it: the latency model's increment over the base
-    step scaled by the learned ``slope``, plus ``jump`` x the base for having drafts at all (both
-    from planner/drift.py ``DraftSlope``), never below the base step."""
-    return base_s + max(0.0, slope * (with_drafts_s - base_s) + jump * base_s)
+# The least a draft adds to a step, as a fraction of the step's average seconds per query token:
+# the latency model's increment is never taken below this. A quick profile's fit can come out
+# flat over the first drafts at small batch sizes (+0.0% for 1, 2 and 4 drafts at B = 1 and 4 in
+# one spell on this CPU). Priced at 0, drafts looked free, and the learned slope
+# (planner/drift.py ``DraftSlope``), a multiple of the increment, could not move it off zero.
+# Measured in the flat region here, a draft adds 0.45 ms to an 18 ms step at B = 1 (2.5% of a
+# token's share) and 0.13-0.25 ms to a 20 ms one at B = 4 (2.6-5%); the floor sits under both,
+# and the slope scales it like any other increment. Per token, not per step: on a GPU at B = 64 a
+# draft adds a sliver of a memory-bound step, and a per-step floor would turn speculation off there.
+MIN_DRAFT_INCREMENT = 0.02
+
+
+def draft_increment(base_s: float, with_drafts_s: float, drafts: int, base_tokens: int) -> float:
+    """The latency model's seconds for a step's ``drafts`` over its base step (``base_tokens``
+    query tokens in ``base_s``), at least ``MIN_DRAFT_INCREMENT`` x base_s / base_tokens per draft."""
+    floor = MIN_DRAFT_INCREMENT * drafts * base_s / max(base_tokens, 1)
+    return max(with_drafts_s - base_s, floor)
+
+
+def priced_seconds(base_s: float, increment_s: float, slope: float = 1.0, jump: float = 0.0) -> float:
+    """A step with drafts as the planner prices it: the model's ``increment_s`` for them
+    (``draft_increment``) scaled by the learned ``slope``, plus ``jump`` x the base for having
+    drafts at all (both from planner/drift.py ``DraftSlope``), never below the base step."""
+    if increment_s <= 0.0:
+        return base_s  # no drafts
+    return base_s + max(0.0, slope * increment_s + jump * base_s)
 
 
 @dataclass(frozen=True)
@@ -85,10 +106,12 @@ class StepCostModel:
     def target_seconds(self, total_drafts: int) -> float:
         """Forward + verify time predicted by the (drift-corrected) latency model, its increment
         over the base step priced by the learned slope and jump (``priced_seconds``)."""
+        if total_drafts == 0:
+            return self.base_seconds
+        base_s = self.base_seconds
         with_n = self.latency.predict(with_drafts(self.base, total_drafts))
-        if total_drafts == 0 or (self.draft_slope == 1.0 and self.draft_jump == 0.0):
-            return with_n
-        return priced_seconds(self.base_seconds, with_n, self.draft_slope, self.draft_jump)
+        increment = draft_increment(base_s, with_n, total_drafts, self.base.num_tokens)
+        return priced_seconds(base_s, increment, self.draft_slope, self.draft_jump)
 
     def seconds(self, ks: Sequence[int]) -> float:
         """The whole step's seconds (what an ITL SLA bounds)."""

@@ -68,6 +68,9 @@ class PolicyState:
     explore_slope: float = 1.0  # an optimistic draft_slope while evidence is thin (planner/drift.py)
     draft_jump: float = 0.0  # what a step's having drafts at all costs beyond the slope, x the base step
     draft_budget: int | None = None  # drafts the step can carry in all (the engine's token budget)
+    # Whether a plain decode step of this batch size was measured recently: what the drafts' price
+    # is learned against (planner/drift.py ``DraftSlope.has_baseline``).
+    draft_baseline: bool = True
 
     @property
     def batch_size(self) -> int:

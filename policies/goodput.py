@@ -54,10 +54,22 @@ class GoodputPolicy:
         cost = state.cost_model()
         chosen = self._allocate(state, cost)
         if chosen.total_drafts:
+            if not state.draft_baseline and state.base.num_tokens == len(state.requests):
+                return self._baseline(state, cost, chosen)
             return self._slow_start(state, cost, chosen)
         if not (self.explore_budget and state.explore_slope < state.draft_slope):
             return chosen
         return self._probe(state, cost, chosen) or chosen
+
+    @staticmethod
+    def _baseline(state: PolicyState, cost: StepCostModel, chosen: Allocation) -> Allocation:
+        """A plain decode step when none of this batch size was measured recently (~70 steps):
+        what drafts cost is learned by comparing steps with them against steps without
+        (``DraftSlope``). Without one, a policy that drafts on every step never learns the price;
+        with a profile that says drafts are free, it drafts deep for good. Only decode-only steps
+        are a baseline, so a step that carries a prompt chunk drafts as chosen."""
+        zeros = (0,) * len(state.requests)
+        return Allocation(zeros, chosen.off_goodput, cost.seconds(zeros), chosen.off_goodput)
 
     def _slow_start(self, state: PolicyState, cost: StepCostModel, chosen: Allocation) -> Allocation:
         """Bet on an unverified prior a little at a time. A request with no verified draft of its

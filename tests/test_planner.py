@@ -23,7 +23,7 @@ from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, D
                               expected_tokens, step_goodput)
 from specplan.planner.acceptance import ProposerPrior, default_prior, match_bucket
 from specplan.planner.drift import DraftPrice, DraftSlope
-from specplan.planner.goodput import priced_seconds
+from specplan.planner.goodput import MIN_DRAFT_INCREMENT, priced_seconds
 from specplan.policies.base import PolicyState, RequestState
 from specplan.policies.goodput import GoodputPolicy
 from specplan.profiler.latency_model import StepShape
@@ -104,7 +104,10 @@ def test_expected_tokens_with_proposal_shortfall():
 def test_step_goodput_and_draft_cost():
     cost = cost_for(FLAT, 2, draft=DraftCost(per_pass_s=0.01, per_token_s=0.001), overhead=0.005)
     ks = (3, 1)
-    seconds = FLAT.predict(StepShape(2, 6, 204)) + 0.01 * 3 + 0.001 * 4 + 0.005
+    # FLAT prices the 4 drafts at ~0, so the planner's floor does: 2% of a token's share of the
+    # base step per draft (planner/goodput.py MIN_DRAFT_INCREMENT), here 4 x 1% of the base.
+    base_s = FLAT.predict(StepShape(2, 2, 200))
+    seconds = base_s * 1.04 + 0.01 * 3 + 0.001 * 4 + 0.005
     assert cost.seconds(ks) == pytest.approx(seconds)
     want = (expected_tokens(0.8, 3) + expected_tokens(0.5, 1)) / seconds
     assert step_goodput([est(0.8), est(0.5)], ks, cost) == pytest.approx(want)
@@ -172,8 +175,12 @@ def test_compute_bound_turns_speculation_off():
 
 
 def test_memory_bound_turns_speculation_on_up_to_what_proposals_can_fill():
+    # FLAT says verify tokens are free; the planner prices each at its floor, 1% of this B = 2
+    # step. The n-th draft pays while its gain g > 0.01 (2 + G) / (1 + 0.01 n), ~0.035 here:
+    # 0.6^6 = 0.047 does, 0.6^7 = 0.028 does not; 0.3^2 = 0.09 does, 0.3^3 = 0.027 does not.
     alloc = allocate([est(0.6), est(0.3)], [8, 5], cost_for(FLAT, 2))
-    assert alloc.ks == (8, 5)  # verify tokens are free: every draft with any chance is worth it
+    assert alloc.ks == (6, 2)
+    assert allocate([est(0.95), est(0.9)], [8, 5], cost_for(FLAT, 2)).ks == (8, 5)  # up to the caps
     # Proposals that never exceed 2 tokens earn no third draft.
     alloc = allocate([est(0.6, p_len_ge=(0.8, 0.5, 0.0, 0.0))], [4], cost_for(FLAT, 1))
     assert alloc.ks == (2,)
@@ -217,15 +224,17 @@ def test_allocation_matches_brute_force(seed):
 
 
 def test_a_step_without_token_budget_gets_no_drafts():
-    # Memory-bound, drafts worth having: k = 8 each. With 7 tokens of budget left, the 7 best
+    # Memory-bound (drafts at the planner's floor, 1% of the step each): k = 8 and 3 (0.5^3 =
+    # 0.125 pays, 0.5^4 = 0.0625 not against ~0.072). With 7 tokens of budget left, the 7 best
     # drafts: gains 0.9^j and 0.5^j, so 0.9 ... 0.9^6 = 0.53 first, then 0.5 beats 0.9^7 = 0.48.
     # With none left (a prefill chunk took the step's budget), none; the planner passes the
     # engine's number through.
     estimates = [est(0.9), est(0.5)]
-    assert allocate(estimates, [8, 8], cost_for(FLAT, 2)).ks == (8, 8)
+    assert allocate(estimates, [8, 8], cost_for(FLAT, 2)).ks == (8, 3)
     assert allocate(estimates, [8, 8], cost_for(FLAT, 2), max_total_drafts=7).ks == (6, 1)
     assert allocate(estimates, [8, 8], cost_for(FLAT, 2), max_total_drafts=0).ks == (0, 0)
     planner = Planner("goodput", FLAT, proposer="ngram")
+    planner.observe(record([0] * 4, [0.9] * 4, random.Random(0)))  # a plain step: the drafts' baseline
     assert sum(planner.decide(view(4))) > 0
     assert planner.decide(dataclasses.replace(view(4), draft_budget=0)) == [0, 0, 0, 0]
 
@@ -516,6 +525,7 @@ def test_planner_slow_start_on_an_unproven_prior():
     to 6.9). A proven pool lets everyone draft."""
     rng = random.Random(3)
     planner = Planner("goodput", FLAT)
+    planner.observe(record([0] * 16, [0.9] * 16, rng))  # a plain step: the drafts' baseline
     drafting = []
     for _ in range(5):
         ks = planner.decide(view(16))
@@ -609,7 +619,8 @@ def test_planner_learns_acceptance_per_match_length():
 
     for step in range(60):
         match = 4 if step % 2 else 1
-        planner.observe(outcome(max(planner.decide(shown(match))[0], 1), match))
+        k = planner.decide(shown(match))[0]
+        planner.observe(outcome(max(k, 1) if step % 10 else 0, match))  # a plain step now and then
     planner.decide(shown(1))
     short = planner.last_state.requests[0].acceptance
     planner.decide(shown(4))
@@ -722,7 +733,7 @@ def test_draft_slope_learns_what_drafts_really_cost_per_batch_size():
 
     slope = DraftSlope()
     assert slope.slope(4) == slope.explore_slope(4) == 1.0  # no plain step yet: nothing to probe against
-    slope.observe_drafts(4, base_s=0.02, with_drafts_s=0.025, measured_s=0.03)
+    slope.observe_drafts(4, base_s=0.02, increment_s=0.005, measured_s=0.03)
     assert slope.slope(4) == 1.0  # ... nor to learn from
     slope.observe_plain(4, predicted_s=0.02, measured_s=0.04)
     assert slope.slope(4) == pytest.approx(1.0) and slope.explore_slope(4) == pytest.approx(0.5)  # optimistic until measured
@@ -731,7 +742,7 @@ def test_draft_slope_learns_what_drafts_really_cost_per_batch_size():
     rng = random.Random(3)
     for _ in range(60):
         slope.observe_plain(4, predicted_s=0.02, measured_s=0.04 * rng.uniform(0.98, 1.02))
-        slope.observe_drafts(4, base_s=0.02, with_drafts_s=0.025, measured_s=0.042 * rng.uniform(0.98, 1.02))
+        slope.observe_drafts(4, base_s=0.02, increment_s=0.005, measured_s=0.042 * rng.uniform(0.98, 1.02))
     def increment(num_seqs: int) -> float:  # the priced increment of these drafts, x the base step
         price = slope.price(num_seqs)
         return price.slope * 0.25 + price.jump
@@ -742,7 +753,7 @@ def test_draft_slope_learns_what_drafts_really_cost_per_batch_size():
     assert slope.explore_slope(4) == pytest.approx(slope.slope(4), rel=0.02)  # optimism has faded
     assert slope.price(5) == slope.price(7) == slope.price(4)  # same bucket (4..7)
     assert slope.price(32) == DraftPrice()  # another batch size keeps the profile's slope
-    slope.observe_drafts(4, base_s=0.02, with_drafts_s=0.02, measured_s=0.03)  # no increment: ignored
+    slope.observe_drafts(4, base_s=0.02, increment_s=0.0, measured_s=0.03)  # no increment: nothing to scale
     assert increment(4) == pytest.approx(0.05, abs=0.015)
 
 
@@ -757,10 +768,10 @@ def test_draft_price_learns_a_first_draft_cheaper_than_the_model_says():
     for _ in range(200):
         slope.observe_plain(1, predicted_s=0.015, measured_s=0.015 * rng.uniform(0.97, 1.03))
         n = rng.randint(1, 8)
-        slope.observe_drafts(1, base_s=0.015, with_drafts_s=0.015 * (1 + model_x[n]),
+        slope.observe_drafts(1, base_s=0.015, increment_s=0.015 * model_x[n],
                              measured_s=0.015 * (1 + real[n]) * rng.uniform(0.97, 1.03))
     price = slope.price(1)
-    priced = {n: priced_seconds(1.0, 1.0 + model_x[n], price.slope, price.jump) - 1.0 for n in model_x}
+    priced = {n: priced_seconds(1.0, model_x[n], price.slope, price.jump) - 1.0 for n in model_x}
     assert priced[1] == pytest.approx(0.03, abs=0.02) and priced[8] == pytest.approx(0.45, abs=0.05)
     assert price.jump < -0.05
     # Pinned to one slope (the jump's prior made huge), the first draft stays at twice its cost or more.
@@ -768,7 +779,7 @@ def test_draft_price_learns_a_first_draft_cheaper_than_the_model_says():
     for _ in range(200):
         pinned.observe_plain(1, predicted_s=0.015, measured_s=0.015)
         n = rng.randint(1, 8)
-        pinned.observe_drafts(1, 0.015, 0.015 * (1 + model_x[n]), 0.015 * (1 + real[n]))
+        pinned.observe_drafts(1, 0.015, 0.015 * model_x[n], 0.015 * (1 + real[n]))
     assert pinned.price(1).jump == pytest.approx(0.0, abs=1e-6)
     assert pinned.slope(1) * model_x[1] > 2 * real[1]
 
@@ -790,7 +801,7 @@ def test_draft_slope_follows_the_machine_level_while_every_step_speculates():
             continue
         x = rng.choice([0.05, 0.1, 0.15, 0.2])  # 1 to 4 drafts in the step
         measured = level * base * (1 + 0.6 * x) * rng.uniform(0.99, 1.01)
-        slope.observe_drafts(4, base_s=base, with_drafts_s=base * (1 + x), measured_s=measured)
+        slope.observe_drafts(4, base_s=base, increment_s=base * x, measured_s=measured)
         if step == 99:
             assert slope.slope(4) == pytest.approx(0.6, abs=0.15)
     assert slope.slope(4) == pytest.approx(0.6, abs=0.15)  # measured against the old level: ~0.1 (the floor)
@@ -852,6 +863,26 @@ def test_planner_learns_that_an_overpriced_draft_is_cheap():
     assert 1 <= sum(chosen[1]) <= 3  # the probe: as many drafts as the exploration budget allows
     assert all(min(ks) >= 1 for ks in chosen[-10:])  # then speculating for everyone
     assert learner.draft_slope.slope(4) == pytest.approx(0.2, abs=0.08)
+
+
+def test_planner_learns_what_drafts_cost_when_the_profile_says_they_are_free():
+    """A quick profile's fit can be flat over the first drafts at small B (+0.0% for 1-4 drafts at
+    B = 4 in one spell on this CPU). Priced at 0, drafts looked free and the learned slope, a
+    multiple of the model's increment, had nothing to scale: the policy drafted deep for good.
+    Floored, the increment can be scaled: here the machine charges 1.25% of the step a draft
+    (2.5x the floor), and with first-draft acceptance ~0.3 a second draft still pays, a third not."""
+    model = RidgeLatency(a=0.02)  # flat: drafts are free in the model
+    machine = _Machine(0.02, 0.00025)
+    rng = random.Random(11)
+    planner = Planner("goodput", model)
+    chosen = _run_planner(planner, machine, [0.3] * 4, 150, rng)
+    assert chosen[0] == [0] * 4  # a plain step first: the baseline drafts are measured against
+    assert max(map(max, chosen[1:10])) >= 5  # priced at the floor, deeper than pays
+    assert statistics.mean(k for ks in chosen[-30:] for k in ks) <= 3.0
+    assert sum(ks == [0] * 4 for ks in chosen[10:]) >= 1  # the baseline is measured again now and then
+    price = planner.draft_slope.price(4)
+    priced = {n: priced_seconds(1.0, n * MIN_DRAFT_INCREMENT / 4, price.slope, price.jump) - 1.0 for n in (4, 8)}
+    assert priced[4] == pytest.approx(0.05, abs=0.015) and priced[8] == pytest.approx(0.1, abs=0.035)
 
 
 def test_planner_probe_on_a_truly_costly_draft_is_bounded_and_stops():

@@ -96,11 +96,25 @@ def test_roofline_off_past_the_ridge():
         policy.choose(state([req(0)]))
 
 
+def test_goodput_policy_takes_a_plain_step_before_drafting_without_a_baseline():
+    """What drafts cost is learned against plain steps of the same batch size: without a recent one
+    the policy takes one, unless the step carries a prompt chunk (that is no baseline, and under a
+    steady stream of arrivals waiting for one would keep speculation off)."""
+    policy = GoodputPolicy()
+    many = [req(i, alpha=0.9) for i in range(4)]
+    assert all(policy.choose(state(many, latency=FLAT)))
+    assert policy.choose(dataclasses.replace(state(many, latency=FLAT), draft_baseline=False)) == [0] * 4
+    chunked = dataclasses.replace(state(many, latency=FLAT, prefill_tokens=64), draft_baseline=False)
+    assert all(policy.choose(chunked))
+
+
 def test_goodput_policy_off_when_compute_bound_on_when_memory_bound():
     policy = GoodputPolicy()
     many = [req(i, alpha=a) for i, a in enumerate((0.95, 0.9, 0.8, 0.6, 0.3, 0.7))]
     assert policy.choose(state(many, latency=COMPUTE_BOUND)) == [0] * 6
-    assert policy.choose(state(many, latency=FLAT)) == [8] * 6
+    # FLAT prices drafts at the planner's floor (a third of a percent of this B = 6 step each): a
+    # request drafts while its next draft gains more than ~0.066 tokens, so the depth follows alpha.
+    assert policy.choose(state(many, latency=FLAT)) == [8, 8, 8, 5, 2, 7]
     # Two requests, alpha 0.9 and 0.2, past a low ridge: the 0.9 one is served first.
     ks = policy.choose(state([req(0, alpha=0.9), req(1, alpha=0.2)],
                              latency=RidgeLatency(a=0.03, b=0.003, ridge_tokens=2)))
