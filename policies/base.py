@@ -77,6 +77,11 @@ class PolicyState:
         """Decode-ready requests in the step (what batch-size tables are keyed on)."""
         return len(self.requests)
 
+    @property
+    def decode_only(self) -> bool:
+        """Whether the step carries no prefill chunk beside its decodes."""
+        return self.base.num_tokens <= len(self.requests)
+
     def shape_with(self, total_drafts: int) -> StepShape:
         """The step's shape when it carries ``total_drafts`` drafts in all."""
         return with_drafts(self.base, total_drafts)
@@ -92,7 +97,7 @@ class PolicyState:
     def _prefill_seconds(self) -> float:
         """The base step's time beyond what its decodes alone would take (0 without prefill chunks)."""
         n = len(self.requests)
-        if n == 0 or self.base.num_tokens <= n:
+        if n == 0 or self.decode_only:
             return 0.0
         decodes = StepShape(n, n, sum(r.context_tokens for r in self.requests))
         return max(0.0, self.latency.predict(self.base) - self.latency.predict(decodes))

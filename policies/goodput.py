@@ -54,7 +54,7 @@ class GoodputPolicy:
         cost = state.cost_model()
         chosen = self._allocate(state, cost)
         if chosen.total_drafts:
-            if not state.draft_baseline and state.base.num_tokens == len(state.requests):
+            if not state.draft_baseline and state.decode_only:
                 return self._baseline(state, cost, chosen)
             return self._slow_start(state, cost, chosen)
         if not (self.explore_budget and state.explore_slope < state.draft_slope):
