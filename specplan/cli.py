@@ -315,6 +315,7 @@ def evaluate_cmd(
     repeats: Annotated[int, typer.Option(help="Runs per cell, deciders interleaved; the report shows medians.")] = 3,
     min_requests: Annotated[int, typer.Option(help="Requests per cell at least (run at concurrency B).")] = 4,
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached or a fresh quick one).")] = None,
+    null_control: Annotated[bool, typer.Option(help="Also run SD off a second time: how far a cell reads from itself.")] = True,
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
 ) -> None:
     """Every policy against every static k on the same closed batches, offline (greedy, goodput)."""
@@ -335,7 +336,7 @@ def evaluate_cmd(
     frames = [evaluate(loaded, prof, proposer=p, workloads=tuple(workloads.split(",")),
                        batch_sizes=tuple(int(b) for b in batch_sizes.split(",")),
                        policies=tuple(policies.split(",")), max_tokens=max_tokens, repeats=repeats,
-                       min_requests=min_requests)
+                       min_requests=min_requests, null_control=null_control)
               for p in proposers.split(",")]
     path = render_evaluation(pd.concat(frames, ignore_index=True), out,
                              "specplan " + shlex.join(sys.argv[1:]))

@@ -14,6 +14,10 @@ of seven static k", picked and scored on the same noisy runs, is biased upward (
 curse): with seven deciders within noise of each other, the maximum of their medians beats each of
 their true values. So the paired check picks the best static k on the other repeats (leave one
 out) and scores it, and the policy, on the held-out one.
+
+How far a cell can read from itself is measured, not guessed: a null control (``control:off``)
+runs SD off a second time as its own decider, so its paired ratio to ``static:0`` is what a
+policy that changed nothing would score in that cell.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ WORKLOADS = ("humaneval", "gsm8k", "mtbench", "xsum")
 BATCH_SIZES = (1, 4, 16, 32)
 STATIC_KS = (0, 1, 2, 3, 4, 6, 8)
 POLICIES = ("batch_table", "heuristic", "roofline", "goodput")
+NULL_CONTROL = "control:off"  # static:0 again: its reading vs static:0 is the cell's noise
+
+
+def _is_policy(decider: str) -> bool:
+    return not decider.startswith(("static:", "control:"))
 
 
 def _engine(loaded: LoadedModel, proposer: str, max_batch: int, draft_layers: int) -> LLMEngine:
@@ -92,7 +101,7 @@ def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: i
 def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", workloads=WORKLOADS,
              batch_sizes=BATCH_SIZES, static_ks=STATIC_KS, policies=POLICIES, max_tokens: int = 64,
              draft_layers: int = 8, seed: int = 0, repeats: int = 1, min_requests: int = 4,
-             progress: bool = True) -> pd.DataFrame:
+             null_control: bool = True, progress: bool = True) -> pd.DataFrame:
     """One row per (workload, B, decider): the median over ``repeats`` of goodput and friends. The
     deciders of a cell run interleaved within each repeat, in an order rotated by one each repeat,
     so machine drift hits them alike. A cell runs max(B, min_requests) requests at concurrency B:
@@ -101,6 +110,8 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
     engine = _engine(loaded, proposer, max(batch_sizes), draft_layers)
     deciders = [(f"static:{k}", lambda k=k: FixedDecider(k)) for k in static_ks]
     deciders += [(p, lambda p=p: planner_from_profile(profile, p, proposer=proposer, max_k=8)) for p in policies]
+    if null_control:
+        deciders.append((NULL_CONTROL, lambda: FixedDecider(0)))
     rows = []
     total = len(workloads) * len(batch_sizes) * len(deciders) * repeats
     with Progress(disable=not progress) as bar:
@@ -172,7 +183,13 @@ def summarize(df: pd.DataFrame) -> dict:
         res = {"best_single_static": best_single, "best_single_static_geomean": geo.max(),
                "oracle_geomean_vs_best_single_static": oracle_gm / geo.max(),
                "median_repeat_spread": float(spread.median()), "policies": {}}
-        for pol, g in d[~d.decider.str.startswith("static:")].groupby("decider"):
+        if (d.decider == NULL_CONTROL).any():
+            control = {f"{w}/B={b}": paired_ratios({dec: list(r) for dec, r in runs.loc[(w, b)].items()},
+                                                   NULL_CONTROL)[0]
+                       for w, b in off.index}
+            res["null_control"] = {"paired_vs_off": control, "min_vs_off": min(control.values()),
+                                   "max_vs_off": max(control.values())}
+        for pol, g in d[d.decider.map(_is_policy)].groupby("decider"):
             g = g.set_index(["workload", "batch_size"])["goodput"]
             vs_best = (g / best).dropna()
             vs_off = (g / off).dropna()
@@ -232,8 +249,14 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str) -> Path:
                          f"{'yes' if r['pass_per_cell'] else 'no'} | {r['geomean_vs_best_single_static']:.3f} ({geo_ok}) |")
             lines.append(f"| {pol} | paired | {r['paired_min_vs_best_static']:.3f} | {r['paired_min_vs_off']:.3f} | "
                          f"{'yes' if r['pass_per_cell_paired'] else 'no'} | |")
+        null = s.get("null_control")
+        if null:
+            lines += ["", f"Null control: SD off run a second time as its own decider (`{NULL_CONTROL}`) reads "
+                      f"{null['min_vs_off']:.3f}-{null['max_vs_off']:.3f}x `static:0` (paired, per cell). A policy "
+                      "that reads within that band of off, or of the best static k, cannot be told from it in this run."]
         pivot = d.pivot_table(index=["workload", "batch_size"], columns="decider", values="goodput")
-        order = [c for c in [f"static:{k}" for k in STATIC_KS] + list(POLICIES) if c in pivot.columns]
+        order = [c for c in [f"static:{k}" for k in STATIC_KS] + list(POLICIES) + [NULL_CONTROL]
+                 if c in pivot.columns]
         pivot = pivot[order]
         lines += ["", "Goodput (output tokens/s):", "", "| workload | B | " + " | ".join(order) + " |",
                   "|---|---|" + "---|" * len(order)]
@@ -244,14 +267,18 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str) -> Path:
         zero = d[d.decider == "goodput"].set_index(["workload", "batch_size"])
         if len(zero):
             paired = s["policies"]["goodput"]["paired_per_cell"]
+            control = null["paired_vs_off"] if null else {}
             lines += ["", "Goodput policy per cell: share of request-steps given k = 0, mean k, acceptance, and "
-                      "the paired ratios:", "",
-                      "| workload | B | k=0 share | mean k | acceptance | paired vs off | paired vs best static |",
-                      "|---|---|---|---|---|---|---|"]
+                      "the paired ratios" + (" (null control: off vs itself)" if null else "") + ":", "",
+                      "| workload | B | k=0 share | mean k | acceptance | paired vs off | paired vs best static |"
+                      + (" null control vs off |" if null else ""),
+                      "|---|---|---|---|---|---|---|" + ("---|" if null else "")]
             for (w, b), r in zero.iterrows():
-                pr = paired[f"{w}/B={b}"]
+                cell = f"{w}/B={b}"
+                pr = paired[cell]
                 lines.append(f"| {w} | {b} | {r.k_zero_share:.2f} | {r.mean_k:.2f} | {r.acceptance:.2f} | "
-                             f"{pr['vs_off']:.3f} | {pr['vs_best_static']:.3f} |")
+                             f"{pr['vs_off']:.3f} | {pr['vs_best_static']:.3f} |"
+                             + (f" {control[cell]:.3f} |" if null else ""))
         lossless = bool(d["lossless"].all())
         lines += ["", f"Every decider produced identical tokens: {'yes' if lossless else 'NO'}.", ""]
         fig, axes = plt.subplots(1, len(d.workload.unique()), figsize=(4 * len(d.workload.unique()), 3.6),

@@ -78,7 +78,8 @@ def test_evaluate_reports_medians_of_interleaved_repeats(monkeypatch):
     monkeypatch.setattr(ev, "planner_from_profile", lambda *a, **k: FixedDecider(2))
     df = ev.evaluate(loaded, profile=None, workloads=("w",), batch_sizes=(1, 2), static_ks=(0, 3),
                      policies=("goodput",), max_tokens=6, repeats=3, progress=False)
-    assert len(df) == 2 * 3 and set(df.repeats) == {3}
+    assert len(df) == 2 * 4 and set(df.repeats) == {3}  # static:0, static:3, goodput, the null control
+    assert set(df.decider) == {"static:0", "static:3", "goodput", "control:off"}
     assert set(df.requests) == {4}  # min_requests: B = 1 and B = 2 both run 4 requests
     assert df.lossless.all()
     row = df.iloc[0]
@@ -112,3 +113,21 @@ def test_summary_pairs_repeats_per_cell():
     assert g["paired_min_vs_off"] == pytest.approx(0.99)
     assert g["pass_per_cell_paired"]
     assert set(g["paired_per_cell"]) == {"w/B=1", "w/B=32"}
+
+
+def test_null_control_reads_off_against_itself_and_is_not_a_policy(tmp_path):
+    df = synthetic_results()
+    df["goodput_all"] = df["goodput"].apply(lambda g: [g * 1.1, g, g * 0.9])
+    # SD off run again: 4% slow on every repeat at B=1, 2% fast at B=32
+    control = df[df.decider == "static:0"].assign(decider="control:off")
+    control["goodput_all"] = [[x * f for x in xs] for xs, f in zip(control.goodput_all, (0.96, 1.02))]
+    control["goodput"] = control.goodput_all.map(lambda xs: xs[1])
+    df = pd.concat([df, control], ignore_index=True)
+    s = summarize(df)["ngram"]
+    assert set(s["policies"]) == {"goodput"}  # neither a static k (the bar) nor a policy
+    assert s["best_single_static"] == "static:4"
+    null = s["null_control"]
+    assert null["paired_vs_off"] == pytest.approx({"w/B=1": 0.96, "w/B=32": 1.02})
+    assert (null["min_vs_off"], null["max_vs_off"]) == pytest.approx((0.96, 1.02))
+    text = render_evaluation(df, tmp_path, "test").read_text()
+    assert "0.960-1.020x `static:0`" in text and "| 0.960 |" in text
