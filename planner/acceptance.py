@@ -84,6 +84,10 @@ class AcceptanceEstimate:
         n = max(0, min(n, self.max_k))
         return AcceptanceEstimate(self.alpha, (1.0,) * n + (0.0,) * (self.max_k - n), self.alpha_first)
 
+    def with_first_acceptance(self, alpha_first: float) -> "AcceptanceEstimate":
+        """The same estimate with another first-draft acceptance (so every draft's gain scales)."""
+        return AcceptanceEstimate(self.alpha, self.p_len_ge, alpha_first)
+
     @property
     def expected_proposal_length(self) -> float:
         """E[min(proposal length, max_k)]: how many drafts a request asking max_k would really get."""

@@ -21,6 +21,7 @@ from ..policies.registry import make_policy
 from ..profiler.latency_model import LatencyModel, StepShape
 from .acceptance import (LOOKUP_PROPOSERS, AcceptanceConfig, PooledAcceptance, ProposerPrior, RequestAcceptance,
                          default_prior, match_bucket)
+from .calibration import AcceptanceCalibration, CalibrationConfig
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
 from .goodput import DraftCost, draft_increment, priced_seconds
 from .timing import StepTimingLearner, TimingConfig
@@ -65,7 +66,7 @@ class Planner:
                  learn_timing: bool = True, priors: Mapping[str, ProposerPrior] | None = None,
                  acceptance: AcceptanceConfig | None = None, drift: DriftConfig = DriftConfig(),
                  timing: TimingConfig = TimingConfig(), draft_slope: DraftSlopeConfig = DraftSlopeConfig(),
-                 forget_after_steps: int = 256):
+                 calibration: CalibrationConfig | None = CalibrationConfig(), forget_after_steps: int = 256):
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
         if sla_itl_s is not None and not sla_itl_s > 0:
@@ -74,6 +75,9 @@ class Planner:
         self.drift = DriftCorrection(drift)
         self.latency = DriftCorrectedLatency(latency, self.drift) if latency is not None else None
         self.draft_slope = DraftSlope(draft_slope)
+        # None: the policy sees each request's posterior as is (planner/calibration.py).
+        self.calibration = AcceptanceCalibration(calibration) if calibration is not None else None
+        self._chosen_gains: dict[int, tuple[float, ...]] = {}  # seq_id -> last decided draft gains, uncalibrated
         self.roofline = roofline
         missing = [f for f in self.policy.requires if getattr(self, f, None) is None]
         if missing:
@@ -164,7 +168,7 @@ class Planner:
         proposer = self.proposer or view.proposer
         planner_cap = self.max_k
         step = self._step
-        reqs = []
+        reqs, raw_estimates = [], []
         for rv in view.requests:
             t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
             t.last_seen_step = step
@@ -173,6 +177,9 @@ class Planner:
             available = getattr(rv, "available_drafts", None)  # proposed before deciding (n-gram)
             if available is not None:
                 estimate = estimate.given_available(available)
+            raw_estimates.append(estimate)
+            if self.calibration is not None:
+                estimate = self.calibration.apply(estimate)
             reqs.append(RequestState(rv.seq_id, rv.request_id, max(0, min(rv.max_k, planner_cap)), rv.num_tokens,
                                      estimate, t.last_outcome, acc.steps_observed, rv.greedy,
                                      pool_evidence=acc.pool.evidence))
@@ -192,6 +199,7 @@ class Planner:
         if len(ks) != num_decodes:
             raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")
         ks = [max(0, min(int(k), r.max_k)) for k, r in zip(ks, reqs)]
+        self._chosen_gains = {r.seq_id: e.gains for r, e, k in zip(reqs, raw_estimates, ks) if k}
         self.last_state = state
         self.num_decisions += num_decodes
         self.num_zero_decisions += ks.count(0)
@@ -209,6 +217,9 @@ class Planner:
             acc.observe(rr.k, rr.num_proposed, rr.num_accepted, rr.natural_k)
             touched.add(acc.pool)
             if rr.k > 0:
+                gains = self._chosen_gains.get(rr.seq_id)
+                if gains is not None and self.calibration is not None:
+                    self.calibration.observe(sum(gains[:rr.k]), rr.num_accepted)
                 t.last_outcome = Outcome(rr.k, rr.num_proposed, rr.num_accepted)
                 total_drafts += rr.k
                 deepest = max(deepest, rr.k)

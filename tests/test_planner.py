@@ -22,6 +22,7 @@ from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, D
                               PooledAcceptance, RequestAcceptance, StepCostModel, StepTimingLearner, allocate,
                               expected_tokens, step_goodput)
 from specplan.planner.acceptance import ProposerPrior, default_prior, match_bucket
+from specplan.planner.calibration import AcceptanceCalibration, CalibrationConfig
 from specplan.planner.drift import DraftPrice, DraftSlope
 from specplan.planner.goodput import MIN_DRAFT_INCREMENT, priced_seconds
 from specplan.policies.base import PolicyState, RequestState
@@ -897,3 +898,47 @@ def test_planner_probe_on_a_truly_costly_draft_is_bounded_and_stops():
     assert all(ks == [0] * 4 for ks in chosen[-30:])
     price = planner.draft_slope.price(4)
     assert price.slope > 1.2 and price.slope + price.jump / 0.1 > 1.5  # priced > 1.5x the model's ~+10%
+
+
+def test_acceptance_calibration_worked_example():
+    # planner/calibration.py: 40 tokens expected, 32 accepted, 8 tokens of prior at ratio 1.
+    cal = AcceptanceCalibration(CalibrationConfig(discount=1.0))
+    cal.observe(expected=40.0, accepted=32)
+    assert cal.factor == pytest.approx(40 / 48)
+    e = AcceptanceEstimate(0.8, (1.0,) * 4, 0.6)
+    assert cal.apply(e).gains == pytest.approx(tuple(g * 40 / 48 for g in e.gains))
+    assert cal.apply(e).alpha_first == pytest.approx(0.5)
+    cal.observe(expected=200.0, accepted=0)  # bounded: a run of rejections cannot switch drafting off for good
+    assert cal.factor == 0.5
+    assert AcceptanceCalibration().apply(e) is e  # nothing observed: the posterior as is
+
+
+def test_planner_calibrates_what_its_chosen_drafts_promise():
+    """Short requests (8 steps each) that accept 30% of their drafts, against the n-gram prior's
+    50% first / 70% later: each request's posterior leans on its pool, and the pool learns from
+    those posteriors, so the drafts the policy chooses keep promising more than they yield. The
+    calibration compares the two over the chosen drafts and scales the promises down until they
+    match."""
+    latency = RidgeLatency(a=0.03, b=0.0006, ridge_tokens=4)
+
+    def run(calibration):
+        planner = Planner("goodput", latency, calibration=calibration)
+        rng = random.Random(5)
+        promised = yielded = 0.0
+        for step in range(300):
+            ids = [(step // 8) * 4 + i for i in range(4)]  # a new batch of requests every 8 steps
+            ks = planner.decide(StepView(tuple(RequestView(s, f"r{s}", 500, 10, 8, True) for s in ids),
+                                         0, 0, 2000, "ngram"))
+            promised += sum(sum(r.acceptance.gains[:k]) for r, k in zip(planner.last_state.requests, ks))
+            rec = record(ks, [0.3] * 4, rng, forward_s=latency.predict(StepShape(4, 4 + sum(ks), 2000)) - 0.001)
+            rec = dataclasses.replace(rec, requests=tuple(dataclasses.replace(r, seq_id=s, request_id=f"r{s}")
+                                                          for s, r in zip(ids, rec.requests)))
+            yielded += sum(r.num_accepted for r in rec.requests)
+            planner.observe(rec)
+        return planner, yielded / promised
+
+    _, raw_ratio = run(None)
+    planner, calibrated_ratio = run(CalibrationConfig())
+    assert raw_ratio < 0.88  # uncalibrated, the chosen drafts yield well under what they promise
+    assert 0.5 < planner.calibration.factor < 0.95
+    assert calibrated_ratio == pytest.approx(1.0, abs=0.05)
