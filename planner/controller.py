@@ -4,8 +4,9 @@ Each step ``decide`` turns the engine's ``StepView`` into a ``PolicyState`` — 
 acceptance estimates, the batch composition (decodes plus prefill chunks already scheduled), the
 drift-corrected latency model, drafting cost and overhead, the SLA — and asks the policy for k per
 request. ``observe`` feeds the step's outcome back: acceptance per request (and into the pooled
-prior for its proposer and workload), measured vs predicted step time (drift), and the time spent
-outside forward + verify (overhead and drafting cost).
+prior for its proposer and workload), accepted vs expected over the drafts the policy chose
+(calibration), measured vs predicted step time (drift), and the time spent outside forward +
+verify (overhead and drafting cost).
 
 The engine never imports this module; the planner reads the engine's view and record objects by
 attribute only, so importing it does not pull in the engine (or torch).
