@@ -200,7 +200,8 @@ class Planner:
         if len(ks) != num_decodes:
             raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")
         ks = [max(0, min(int(k), r.max_k)) for k, r in zip(ks, reqs)]
-        self._chosen_gains = {r.seq_id: e.gains for r, e, k in zip(reqs, raw_estimates, ks) if k}
+        if self.calibration is not None:
+            self._chosen_gains = {r.seq_id: e.gains for r, e, k in zip(reqs, raw_estimates, ks) if k}
         self.last_state = state
         self.num_decisions += num_decodes
         self.num_zero_decisions += ks.count(0)
@@ -218,8 +219,8 @@ class Planner:
             acc.observe(rr.k, rr.num_proposed, rr.num_accepted, rr.natural_k)
             touched.add(acc.pool)
             if rr.k > 0:
-                gains = self._chosen_gains.get(rr.seq_id)
-                if gains is not None and self.calibration is not None:
+                gains = self._chosen_gains.get(rr.seq_id)  # empty without calibration
+                if gains is not None:
                     self.calibration.observe(sum(gains[:rr.k]), rr.num_accepted)
                 t.last_outcome = Outcome(rr.k, rr.num_proposed, rr.num_accepted)
                 total_drafts += rr.k

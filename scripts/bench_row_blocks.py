@@ -20,7 +20,10 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
+from specplan.engine.cpu_kernels import build_config
+
 CSRC = Path(__file__).resolve().parent.parent / "engine" / "csrc"
+KERNELS, CFLAGS = build_config()  # the engine's own build: the widest ISA this CPU has
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (K, N) of one step
 
 
@@ -38,9 +41,7 @@ def build(mr: int, workdir: Path):
     path.write_text(src)
     build_dir = workdir / name
     build_dir.mkdir()
-    cpp_extension.load(name=name, sources=[str(path)], extra_include_paths=[str(CSRC)],
-                       extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi", "-mavx512f",
-                                     "-mavx512vl", "-mavx2", "-mfma"],
+    cpp_extension.load(name=name, sources=[str(path)], extra_include_paths=[str(CSRC)], extra_cflags=CFLAGS,
                        extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(build_dir))
     return getattr(torch.ops, name).packed_linear
 
@@ -51,6 +52,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,9,12,16,24,32")
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
+    if not KERNELS.endswith("avx512"):
+        raise SystemExit(f"this CPU builds {KERNELS}: the MR under test is the AVX-512 one")
     mrs = [int(x) for x in args.mr.split(",")]
     rows = [int(x) for x in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
