@@ -40,7 +40,7 @@ def test_matches_f_linear(m, n, k):
     assert torch.allclose(PackedLinear(w)(x), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("m", [9, 13, 17, 70, 130])  # 1, 2, 2, 6 and 11 row blocks with AVX-512 (MR = 12)
+@pytest.mark.parametrize("m", [9, 13, 17, 70, 130])  # 1, 2, 2, 6 and 12 row blocks with AVX-512 (MR = 12)
 @pytest.mark.parametrize("n,k", [(97, 100), (576, 576)])
 def test_rows_agree_bit_for_bit_with_one_row_at_a_time(m, n, k):
     # Several row blocks go through K in chunks (groups of rows, accumulators parked between
