@@ -56,6 +56,10 @@ class AcceptanceEstimate:
     # P(len >= j) * alpha_first * alpha^(j - 1) (non-increasing in j). Derived, computed once: the
     # allocator reads it every step.
     gains: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    # Estimates derived from this one (``given_available``, ``with_first_acceptance``), by argument:
+    # the planner derives the same few from a request's unchanged estimate step after step, and
+    # building one is most of what a request costs ``decide``.
+    _derived: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.alpha_first is None:
@@ -82,11 +86,20 @@ class AcceptanceEstimate:
         """The same acceptance for a step where the proposer is known to have exactly n drafts
         (proposed before the decision): P(len >= j) is 1 up to n and 0 after."""
         n = max(0, min(n, self.max_k))
-        return AcceptanceEstimate(self.alpha, (1.0,) * n + (0.0,) * (self.max_k - n), self.alpha_first)
+        key = ("available", n)
+        derived = self._derived.get(key)
+        if derived is None:
+            derived = self._derived[key] = AcceptanceEstimate(
+                self.alpha, (1.0,) * n + (0.0,) * (self.max_k - n), self.alpha_first)
+        return derived
 
     def with_first_acceptance(self, alpha_first: float) -> "AcceptanceEstimate":
         """The same estimate with another first-draft acceptance (so every draft's gain scales)."""
-        return AcceptanceEstimate(self.alpha, self.p_len_ge, alpha_first)
+        key = ("first", alpha_first)
+        derived = self._derived.get(key)
+        if derived is None:
+            derived = self._derived[key] = AcceptanceEstimate(self.alpha, self.p_len_ge, alpha_first)
+        return derived
 
     @property
     def expected_proposal_length(self) -> float:

@@ -68,7 +68,6 @@ def _branch_and_bound(cum: list[float], base: float, step_s: Callable[[int], flo
                       floor: float) -> tuple[int, float, float]:
     """The best n in 1..N beating ``floor``, assuming step_s is non-decreasing (raises otherwise)."""
     last = len(cum) - 1
-    times = {0: step_s(0)}
     best = (0, floor, 0.0)
 
     def feasible(t: float) -> bool:
@@ -80,14 +79,26 @@ def _branch_and_bound(cum: list[float], base: float, step_s: Callable[[int], flo
         if g > best[1]:
             best = (n, g, t)
 
+    # T(1), not T(0), bounds every n >= 1 from below: it includes what having drafts at all costs
+    # (a draft model's pass, the learned jump), which often settles the search right here: if the
+    # most tokens any n can emit over T(1) cannot beat the floor, no n can.
+    t_first = step_s(1)
+    if t_first < step_s(0):
+        raise _NotMonotone
+    if not feasible(t_first) or (base + cum[last]) / t_first <= best[1]:
+        return best
+    times = {1: t_first}
+    consider(1, t_first)
+    if last == 1:
+        return best
     t_last = step_s(last)
-    if t_last < times[0]:
+    if t_last < t_first:
         raise _NotMonotone
     times[last] = t_last
     if feasible(t_last):
         consider(last, t_last)
     # Intervals are open: n strictly between lo and hi; T(lo) is known and feasible.
-    heap = [(-(base + cum[last - 1]) / times[0], 0, last)] if last > 1 else []
+    heap = [(-(base + cum[last - 1]) / t_first, 1, last)] if last > 2 else []
     while heap:
         neg_bound, lo, hi = heapq.heappop(heap)
         if -neg_bound <= best[1]:

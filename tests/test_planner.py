@@ -151,6 +151,11 @@ def test_drafts_known_before_deciding_replace_the_learned_lengths():
     rare = AcceptanceEstimate(0.7, (0.2,) * 8, alpha_first=0.5)
     assert rare.given_available(3).p_len_ge == (1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     assert rare.given_available(3).gains[:4] == pytest.approx((0.5, 0.35, 0.245, 0.0))
+    # Derived once per argument: decide() asks again every step while the estimate is unchanged.
+    assert rare.given_available(3) is rare.given_available(3)
+    assert rare.given_available(3) is not rare.given_available(2)
+    assert rare.with_first_acceptance(0.4) is rare.with_first_acceptance(0.4)
+    assert rare.with_first_acceptance(0.4).gains[:2] == pytest.approx((0.08, 0.056))
     cost = cost_for(RidgeLatency(a=1.0, b=0.2, ridge_tokens=2), 2, context=0)
     assert allocate([rare, rare], [8, 8], cost).ks == (0, 0)  # 0.1 tokens for 0.2 s: off
     known = allocate([rare.given_available(3), rare.given_available(0)], [3, 0], cost)
