@@ -206,7 +206,9 @@ class LLMEngine:
         for r, i in zip(reqs, ready):
             work[i].seq.spec.add(r)
         if self.speculator is not None:
+            t0 = time.perf_counter()
             self.speculator.decider.observe(record)
+            self.stats.decider_s += time.perf_counter() - t0 + (proposal.decide_s if proposal is not None else 0.0)
 
     def _append_tokens(self, seq: Sequence, new_tokens: list[int], now: float) -> int:
         """Append accepted tokens one at a time, stopping at the first stop condition; returns how many."""

@@ -63,6 +63,12 @@ class SpecStats(SpecCounters):
         super().__init__()
         self.num_steps = 0
         self.k_histogram: dict[int, int] = {}  # chosen k -> how many request-steps
+        self.decider_s = 0.0  # wall time inside the decider's decide() and observe(), all steps
+
+    @property
+    def decider_ms_per_step(self) -> float:
+        """What choosing k costs a step (a planner's whole per-step bookkeeping)."""
+        return 1000.0 * self.decider_s / self.num_steps if self.num_steps else 0.0
 
     def add(self, record: StepRecord) -> None:  # type: ignore[override]
         self.num_steps += 1

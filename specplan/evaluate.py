@@ -95,6 +95,7 @@ def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: i
             "mean_accepted_length": st.mean_accepted_length,
             "k_zero_share": st.k_histogram.get(0, 0) / k_steps if k_steps else 1.0,
             "mean_k": sum(k * n for k, n in st.k_histogram.items()) / k_steps if k_steps else 0.0,
+            "decider_ms_per_step": st.decider_ms_per_step, "decider_share": st.decider_s / seconds,
             "outputs": outputs}
 
 
@@ -268,16 +269,20 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str) -> Path:
         if len(zero):
             paired = s["policies"]["goodput"]["paired_per_cell"]
             control = null["paired_vs_off"] if null else {}
-            lines += ["", "Goodput policy per cell: share of request-steps given k = 0, mean k, acceptance, and "
-                      "the paired ratios" + (" (null control: off vs itself)" if null else "") + ":", "",
-                      "| workload | B | k=0 share | mean k | acceptance | paired vs off | paired vs best static |"
-                      + (" null control vs off |" if null else ""),
-                      "|---|---|---|---|---|---|---|" + ("---|" if null else "")]
+            timed = "decider_ms_per_step" in zero  # frames from before the engine timed its decider lack it
+            lines += ["", "Goodput policy per cell: share of request-steps given k = 0, mean k, acceptance, "
+                      + ("what the planner's decide() and observe() cost a step (ms, and share of the wall time), "
+                         if timed else "")
+                      + "and the paired ratios" + (" (null control: off vs itself)" if null else "") + ":", "",
+                      "| workload | B | k=0 share | mean k | acceptance |" + (" planner ms/step | planner share |" if timed else "")
+                      + " paired vs off | paired vs best static |" + (" null control vs off |" if null else ""),
+                      "|---|---|---|---|---|" + ("---|---|" if timed else "") + "---|---|" + ("---|" if null else "")]
             for (w, b), r in zero.iterrows():
                 cell = f"{w}/B={b}"
                 pr = paired[cell]
                 lines.append(f"| {w} | {b} | {r.k_zero_share:.2f} | {r.mean_k:.2f} | {r.acceptance:.2f} | "
-                             f"{pr['vs_off']:.3f} | {pr['vs_best_static']:.3f} |"
+                             + (f"{r.decider_ms_per_step:.2f} | {100 * r.decider_share:.1f}% | " if timed else "")
+                             + f"{pr['vs_off']:.3f} | {pr['vs_best_static']:.3f} |"
                              + (f" {control[cell]:.3f} |" if null else ""))
         lossless = bool(d["lossless"].all())
         lines += ["", f"Every decider produced identical tokens: {'yes' if lossless else 'NO'}.", ""]

@@ -44,6 +44,34 @@ def test_report_renders(tmp_path):
     text = path.read_text()
     assert "static:4" in text and "| goodput |" in text
     assert (tmp_path / "evaluation-ngram.png").stat().st_size > 1000
+    assert "planner ms/step" not in text  # not measured in this frame
+    df = synthetic_results()
+    df["decider_ms_per_step"], df["decider_share"] = 0.75, 0.012
+    text = render_evaluation(df, tmp_path, "test").read_text()
+    assert "planner ms/step" in text and "| 0.75 | 1.2% |" in text
+
+
+def test_cells_time_the_decider():
+    """What choosing k costs is measured per step: decide() and observe(), nothing else."""
+    import time
+
+    class Slow(FixedDecider):
+        def decide(self, view):
+            time.sleep(0.002)
+            return super().decide(view)
+
+        def observe(self, record):
+            time.sleep(0.001)
+
+    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
+    engine = _engine(loaded, "ngram", max_batch=2, draft_layers=1)
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 5, 6, 5]]
+    fixed = run_cell(engine, prompts, FixedDecider(2), max_tokens=8)
+    slow = run_cell(engine, prompts, Slow(2), max_tokens=8)
+    assert fixed["decider_ms_per_step"] < 1.0
+    # observe() every step (1 ms); decide() on every step with a decode (2 ms): all but the prefill.
+    assert 2.0 <= slow["decider_ms_per_step"] < 3.0 + 1.0
+    assert 0 < slow["decider_share"] < 1
 
 
 def test_cells_are_lossless_across_deciders():
