@@ -69,6 +69,8 @@ def _branch_and_bound(cum: list[float], base: float, step_s: Callable[[int], flo
     """The best n in 1..N beating ``floor``, assuming step_s is non-decreasing (raises otherwise)."""
     last = len(cum) - 1
     best = (0, floor, 0.0)
+    if last < 1:
+        return best  # no draft to hand out (the step's token budget is spent)
 
     def feasible(t: float) -> bool:
         return sla_s is None or t <= sla_s

@@ -256,8 +256,9 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str) -> Path:
                       f"{null['min_vs_off']:.3f}-{null['max_vs_off']:.3f}x `static:0` (paired, per cell). A policy "
                       "that reads within that band of off, or of the best static k, cannot be told from it in this run."]
         pivot = d.pivot_table(index=["workload", "batch_size"], columns="decider", values="goodput")
-        order = [c for c in [f"static:{k}" for k in STATIC_KS] + list(POLICIES) + [NULL_CONTROL]
-                 if c in pivot.columns]
+        # Every policy that ran, in the order it ran (goodput:0 beside goodput, not only POLICIES).
+        policies = list(dict.fromkeys(c for c in d.decider if _is_policy(c)))
+        order = [c for c in [f"static:{k}" for k in STATIC_KS] + policies + [NULL_CONTROL] if c in pivot.columns]
         pivot = pivot[order]
         lines += ["", "Goodput (output tokens/s):", "", "| workload | B | " + " | ".join(order) + " |",
                   "|---|---|" + "---|" * len(order)]

@@ -45,6 +45,9 @@ def test_report_renders(tmp_path):
     assert "static:4" in text and "| goodput |" in text
     assert (tmp_path / "evaluation-ngram.png").stat().st_size > 1000
     assert "planner ms/step" not in text  # not measured in this frame
+    margin = synthetic_results().query("decider == 'goodput'").assign(decider="goodput:0", goodput=[18.0, 101.0])
+    text = render_evaluation(pd.concat([synthetic_results(), margin]), tmp_path, "test").read_text()
+    assert "| goodput | goodput:0 |" in text and "| 18.0 |" in text  # every policy that ran gets a column
     df = synthetic_results()
     df["decider_ms_per_step"], df["decider_share"] = 0.75, 0.012
     text = render_evaluation(df, tmp_path, "test").read_text()
