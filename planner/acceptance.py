@@ -56,9 +56,10 @@ class AcceptanceEstimate:
     # P(len >= j) * alpha_first * alpha^(j - 1) (non-increasing in j). Derived, computed once: the
     # allocator reads it every step.
     gains: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    # Estimates derived from this one (``given_available``, ``with_first_acceptance``), by argument:
-    # the planner derives the same few from a request's unchanged estimate step after step, and
-    # building one is most of what a request costs ``decide``.
+    # Estimates derived from this one: ``given_available`` by n (at most max_k + 1 of them) and the
+    # latest ``with_first_acceptance``. The planner derives the same few from a request's unchanged
+    # estimate step after step, and building one is most of what a request costs ``decide``. The
+    # calibration factor behind alpha_first can move every step, so only its last value is kept.
     _derived: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -95,10 +96,11 @@ class AcceptanceEstimate:
 
     def with_first_acceptance(self, alpha_first: float) -> "AcceptanceEstimate":
         """The same estimate with another first-draft acceptance (so every draft's gain scales)."""
-        key = ("first", alpha_first)
-        derived = self._derived.get(key)
-        if derived is None:
-            derived = self._derived[key] = AcceptanceEstimate(self.alpha, self.p_len_ge, alpha_first)
+        last = self._derived.get("first")
+        if last is not None and last[0] == alpha_first:
+            return last[1]
+        derived = AcceptanceEstimate(self.alpha, self.p_len_ge, alpha_first)
+        self._derived["first"] = (alpha_first, derived)
         return derived
 
     @property

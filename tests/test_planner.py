@@ -156,6 +156,9 @@ def test_drafts_known_before_deciding_replace_the_learned_lengths():
     assert rare.given_available(3) is not rare.given_available(2)
     assert rare.with_first_acceptance(0.4) is rare.with_first_acceptance(0.4)
     assert rare.with_first_acceptance(0.4).gains[:2] == pytest.approx((0.08, 0.056))
+    for step in range(100):  # a calibration factor that moves every step does not pile up estimates
+        rare.with_first_acceptance(0.3 + step / 1000)
+    assert len(rare._derived) <= rare.max_k + 2
     cost = cost_for(RidgeLatency(a=1.0, b=0.2, ridge_tokens=2), 2, context=0)
     assert allocate([rare, rare], [8, 8], cost).ks == (0, 0)  # 0.1 tokens for 0.2 s: off
     known = allocate([rare.given_available(3), rare.given_available(0)], [3, 0], cost)
