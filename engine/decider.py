@@ -22,7 +22,7 @@ class RequestView:
     max_k: int  # the most drafts worth verifying (bounded by max_tokens, context and the engine's k cap)
     greedy: bool
     # Drafts the proposer already has for this request this step (a lookup proposer is asked
-    # before the decision: it costs next to nothing); None when unknown until k is chosen.
+    # before the decision: a lookup costs little); None when unknown until k is chosen.
     available_drafts: int | None = None
     # How many trailing tokens the lookup matched to find those drafts (DraftTokens.match_length).
     match_length: int | None = None

@@ -51,8 +51,8 @@ class Speculator:
     def plan(self, ready: list[ScheduledSeq], view_extra: dict, budget: int, max_model_len: int) -> Proposal:
         """Decide k per decode-ready sequence, reserve lookahead slots, propose drafts.
 
-        A proposer whose shorter answers are prefixes of its longer ones (n-gram lookup) is asked
-        first, for each sequence's cap: the decider then sees how many drafts each request
+        A proposer whose shorter answers are prefixes of its longer ones (n-gram and suffix lookup)
+        is asked first, for each sequence's cap: the decider then sees how many drafts each request
         really has, and k never exceeds it."""
         seqs = [w.seq for w in ready]
         caps = []
@@ -85,8 +85,7 @@ class Speculator:
         if not any(k):
             drafts = None
         elif ahead is not None:
-            drafts = DraftTokens([t[:ki] for t, ki in zip(ahead.token_ids, k)], natural_k=ahead.natural_k,
-                                 match_length=ahead.match_length, seconds=ahead.seconds)
+            drafts = ahead.truncated(k)
         else:
             drafts = self.proposer.propose(seqs, k)
         return Proposal(k, drafts, decide_s)

@@ -21,13 +21,14 @@ Two things decide what k drafts are worth, and both are learned here from ``Requ
   Trees (suffix) are read as chains of their node count, which undercounts their acceptance a
   little (a fully accepted branch shorter than the tree counts one rejection): conservative.
 
-* **match length** – a lookup proposer that drafts before the decision (n-gram) also says how
+* **match length** – a lookup proposer that drafts before the decision (n-gram, suffix) says how
   many trailing tokens it matched. That predicts acceptance better than anything else it knows:
-  measured on SmolLM2-135M, greedy, 1-4 tokens matched, the first draft is accepted 21/52/68/81%
+  for n-gram on SmolLM2-135M, greedy, 1-4 tokens matched, the first draft is accepted 21/52/68/81%
   of the time and each later one 64/74/77/88%. So the planner keeps one belief per match-length
   bucket (``match_bucket``), each with its own prior (``ProposerPrior.by_match_length``), and
   values a draft by the belief of the match that found it: drafts after a 1-token match can stay
-  off while those after a 4-token match run deep, in the same request.
+  off while those after a 4-token match run deep, in the same request. (Suffix matches of 4 to
+  24 tokens share the last bucket; its prior has no per-length values and each bucket learns.)
 
 Both statistics are kept per request (discounted, so a request that moves from copying its prompt
 to free text is tracked) on top of a pooled prior per (proposer, workload) that learns from every

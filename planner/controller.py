@@ -175,7 +175,7 @@ class Planner:
             t.last_seen_step = step
             acc = self.acceptance(t, getattr(rv, "match_length", None))
             estimate = acc.estimate()
-            available = getattr(rv, "available_drafts", None)  # proposed before deciding (n-gram)
+            available = getattr(rv, "available_drafts", None)  # proposed before deciding (n-gram, suffix)
             if available is not None:
                 estimate = estimate.given_available(available)
             raw_estimates.append(estimate)

@@ -281,6 +281,39 @@ def test_suffix_trees_are_valid_on_random_text():
         assert 1 <= d.natural_k[0] <= 16
 
 
+@pytest.mark.parametrize("min_prob,min_count", [(0.1, 1), (0.0, 1), (0.3, 2)])
+def test_suffix_shorter_answers_are_prefixes_of_longer_ones(min_prob, min_count):
+    """What lets the engine propose before k is decided (``proposes_prefixes``): asking for k
+    drafts gives the first k nodes of the tree, and the first k tokens of the chain, that asking
+    for more gives, with the request's and the global evidence, on random and repetitive text."""
+    rng = random.Random(3)
+    p = SuffixProposer(max_tree_nodes=12, max_depth=8, min_prob=min_prob, min_count=min_count)
+    assert p.proposes_prefixes
+    for i in range(80):
+        text = random_text(rng.randint(2, 250), rng, vocab=rng.choice([3, 6, 20]))
+        seq = make_seq(text, seq_id=i)
+        cap = rng.randint(1, 16)
+        full = p.propose([seq], [cap])
+        for k in range(cap + 1):
+            direct = p.propose([seq], [k])
+            cut = full.truncated([k])
+            assert cut.token_ids == direct.token_ids, (i, k)
+            assert cut.trees == direct.trees, (i, k)
+            if direct.trees[0] is not None:
+                assert direct.match_length[0] > 0  # a tree comes from a match (not every match gives one)
+        assert full.match_length[0] == p.match(seq)[0]
+        if rng.random() < 0.3:
+            p.on_finished(seq)  # later requests also match the global store
+
+
+def test_draft_tree_prefix():
+    tree = DraftTree((9, 1, 2, 3, 4), (-1, 0, 0, 1, 3), (5, 3, 2, 2, 1))
+    assert tree.prefix(0) is None
+    assert tree.prefix(2) == DraftTree((9, 1, 2), (-1, 0, 0), (5, 3, 2))
+    assert tree.prefix(3).parents == (-1, 0, 0, 1)
+    assert tree.prefix(10) == tree
+
+
 def test_suffix_incremental_matches_fresh():
     rng = random.Random(2)
     full = random_text(300, rng, vocab=8)

@@ -42,6 +42,15 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents) if i > 0)
 
+    def prefix(self, num_drafts: int) -> "DraftTree | None":
+        """The root and the first ``num_drafts`` draft nodes (None for none): a valid tree, as every
+        node's parent comes before it. A best-first tree built with a budget of n nodes is this
+        prefix of the same tree built with a larger budget."""
+        if num_drafts <= 0:
+            return None
+        n = min(num_drafts, self.num_drafts) + 1
+        return DraftTree(self.tokens[:n], self.parents[:n], self.counts[:n])
+
 
 @dataclass
 class DraftTokens:
@@ -65,11 +74,22 @@ class DraftTokens:
             return self.trees[i].num_drafts
         return len(self.token_ids[i])
 
+    def truncated(self, k: list[int]) -> "DraftTokens":
+        """At most k[i] drafts for request i: what a proposer whose shorter answers are prefixes of
+        its longer ones (``Proposer.proposes_prefixes``) would have answered when asked for k."""
+        return DraftTokens(
+            token_ids=[t[:ki] for t, ki in zip(self.token_ids, k, strict=True)],
+            draft_probs=None if self.draft_probs is None else
+            [None if q is None else q[:ki] for q, ki in zip(self.draft_probs, k, strict=True)],
+            trees=None if self.trees is None else
+            [None if t is None else t.prefix(ki) for t, ki in zip(self.trees, k, strict=True)],
+            natural_k=self.natural_k, match_length=self.match_length, seconds=self.seconds)
+
 
 @runtime_checkable
 class Proposer(Protocol):
     """``proposes_prefixes`` (optional, default False): asking for fewer tokens returns a prefix
-    of the longer answer, and proposing costs next to nothing (n-gram lookup). The engine then
+    of the longer answer, and proposing costs little (n-gram and suffix lookup). The engine then
     proposes before k is decided and shows the decider how many drafts each request has."""
 
     name: str

@@ -172,6 +172,11 @@ class SuffixProposer:
     """SuffixDecoding-style proposer: speculation trees from the request's and recent outputs."""
 
     name = "suffix"
+    # The tree of budget k is the first k nodes of any larger budget's tree (best-first placement
+    # does not depend on the budget), and the chain of k tokens the prefix of a longer chain: the
+    # engine can propose for each request's cap before k is decided, and the decider sees each
+    # request's match length and how many drafts it has (as for n-gram).
+    proposes_prefixes = True
 
     def __init__(self, max_depth: int = 24, max_tree_nodes: int = 16, max_cached_requests: int = 256,
                  max_cached_tokens: int = 131_072, max_occurrences: int = 32, min_prob: float = 0.1,
@@ -372,13 +377,10 @@ class SuffixProposer:
         token_ids: list[list[int]] = []
         trees: list[DraftTree | None] = []
         natural: list[int] = []
+        matched: list[int] = []
         for seq, ki in zip(seqs, k):
-            if ki <= 0 or not seq.token_ids:
-                token_ids.append([])
-                trees.append(None)
-                natural.append(0)
-                continue
-            m, occ, _ = self._match(seq)
+            m, occ = (self._match(seq)[:2] if ki > 0 and seq.token_ids else (0, []))
+            matched.append(m)
             if m == 0:
                 token_ids.append([])
                 trees.append(None)
@@ -390,7 +392,7 @@ class SuffixProposer:
             trees.append(tree)
             available = max(len(lst) - p for lst, p in occ)
             natural.append(max(1, min(math.ceil(self.spec_factor * m), self.max_tree_nodes, available)))
-        return DraftTokens(token_ids=token_ids, trees=trees, natural_k=natural,
+        return DraftTokens(token_ids=token_ids, trees=trees, natural_k=natural, match_length=matched,
                            seconds=time.perf_counter() - t0)
 
     def on_finished(self, seq: Sequence) -> None:
