@@ -1,0 +1,96 @@
+"""A/B: the suffix proposer asked before the planner decides (ahead) vs after (the old path).
+
+Ahead, the engine proposes each request's tree for its cap first, so the goodput planner sees how
+many drafts exist and the match length that found them (one acceptance belief per match-length
+bucket), then keeps the first k nodes. After is the path before that change: the planner decides
+k from one belief per request, then the proposer is asked for k (the script hides the match
+length in that arm, as the proposer did not report one then).
+
+Both arms run in one engine over the same requests, interleaved with static:0 (off), static:2
+and static:3, in an order rotated each repeat. Per cell it prints the median goodputs and the
+paired ratios (medians over repeats of ratios within a repeat).
+
+A development benchmark: `.venv/bin/python scripts/bench_suffix_lookahead.py 1,32 3` from the repo
+root (batch sizes, repeats, optional comma-separated workloads), on a quiet machine; it writes the
+per-run goodputs to suffix-lookahead-<batch sizes>.json in the current directory.
+"""
+import json
+import statistics
+import sys
+
+from specplan import evaluate as ev
+from specplan.adaptive import load_or_make_profile
+from specplan.engine.decider import FixedDecider
+from specplan.engine.loader import load_model
+from specplan.planner.from_profile import planner_from_profile
+from specplan.profiler.workloads import load_workload
+
+STATIC = ("static:0", "static:2", "static:3")
+
+
+def main(batch_sizes: list[int], repeats: int, workloads: list[str]) -> None:
+    loaded = load_model(None)
+    profile = load_or_make_profile(loaded, None)
+    engine = ev._engine(loaded, "suffix", max(batch_sizes), 8)
+
+    def goodput() -> object:
+        return planner_from_profile(profile, "goodput", proposer="suffix", max_k=8)
+
+    # (name, proposed ahead, decider factory)
+    deciders = [("ahead", True, goodput), ("after", False, goodput)]
+    deciders += [(name, True, lambda k=int(name[7:]): FixedDecider(k)) for name in STATIC]
+    results = []
+    for w in workloads:
+        pool = [p.render(loaded.tokenizer) for p in load_workload(w, max(*batch_sizes, 4), 0)]
+        for b in batch_sizes:
+            prompts = pool[:max(b, 4)]
+            runs: dict[str, list[dict]] = {name: [] for name, _, _ in deciders}
+            for rep in range(repeats):
+                shift = rep % len(deciders)
+                for name, ahead, make in deciders[shift:] + deciders[:shift]:
+                    runs[name].append(run(engine, prompts, make(), b, ahead))
+            results.append({"workload": w, "batch_size": b, "runs": runs})
+            print(summary(w, b, runs), flush=True)
+    out = f"suffix-lookahead-{','.join(map(str, batch_sizes))}.json"
+    with open(out, "w") as f:
+        json.dump(results, f)
+    print(f"wrote {out}")
+
+
+def run(engine, prompts: list[list[int]], decider, batch: int, ahead: bool) -> dict:
+    """One closed batch with a fresh proposer that proposes ahead, or after (the old path)."""
+    ev._fresh_proposer(engine)
+    proposer = engine.speculator.proposer
+    proposer.proposes_prefixes = ahead
+    if not ahead:  # the old path: asked after deciding, no match length reported
+        def old_propose(seqs, k, propose=proposer.propose):
+            drafts = propose(seqs, k)
+            drafts.match_length = None
+            return drafts
+        proposer.propose = old_propose
+    fresh, ev._fresh_proposer = ev._fresh_proposer, lambda e: None  # keep this proposer for the run
+    try:
+        r = ev.run_cell(engine, prompts, decider, 64, concurrency=batch)
+    finally:
+        ev._fresh_proposer = fresh
+    return {key: r[key] for key in ("goodput", "mean_k", "k_zero_share", "acceptance")}
+
+
+def summary(workload: str, batch: int, runs: dict[str, list[dict]]) -> str:
+    med = {name: statistics.median(r["goodput"] for r in rs) for name, rs in runs.items()}
+
+    def paired(a: str, b: str) -> float:
+        return statistics.median(x["goodput"] / y["goodput"] for x, y in zip(runs[a], runs[b]))
+
+    best = max(STATIC[1:], key=lambda name: med[name])
+    mean_k = {name: statistics.median(r["mean_k"] for r in runs[name]) for name in ("ahead", "after")}
+    return (f"{workload} B={batch}: " + " ".join(f"{n} {g:.1f}" for n, g in med.items())
+            + f" | ahead/after {paired('ahead', 'after'):.3f}"
+            + f" | vs off: ahead {paired('ahead', 'static:0'):.3f} after {paired('after', 'static:0'):.3f}"
+            + f" | vs {best}: ahead {paired('ahead', best):.3f} after {paired('after', best):.3f}"
+            + f" | mean k ahead {mean_k['ahead']:.2f} after {mean_k['after']:.2f}")
+
+
+if __name__ == "__main__":
+    main([int(b) for b in sys.argv[1].split(",")], int(sys.argv[2]),
+         sys.argv[3].split(",") if len(sys.argv) > 3 else list(ev.WORKLOADS))
