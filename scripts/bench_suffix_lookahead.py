@@ -68,11 +68,7 @@ def run(engine, prompts: list[list[int]], decider, batch: int, ahead: bool) -> d
             drafts.match_length = None
             return drafts
         proposer.propose = old_propose
-    fresh, ev._fresh_proposer = ev._fresh_proposer, lambda e: None  # keep this proposer for the run
-    try:
-        r = ev.run_cell(engine, prompts, decider, 64, concurrency=batch)
-    finally:
-        ev._fresh_proposer = fresh
+    r = ev.run_cell(engine, prompts, decider, 64, concurrency=batch, proposer=proposer)
     return {key: r[key] for key in ("goodput", "mean_k", "k_zero_share", "acceptance")}
 
 

@@ -37,6 +37,7 @@ from specplan.engine.config import CacheConfig, EngineConfig, SchedulerConfig, S
 from specplan.engine.decider import FixedDecider
 from specplan.engine.loader import LoadedModel
 from specplan.engine.metrics import SpecStats
+from specplan.engine.proposers.base import Proposer
 from specplan.engine.proposers.factory import make_draft_model, make_proposer
 from specplan.planner.from_profile import planner_from_profile
 from specplan.profiler.profile import Profile
@@ -72,12 +73,16 @@ def _fresh_proposer(engine: LLMEngine) -> None:
 
 
 def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: int,
-             concurrency: int | None = None) -> dict:
-    """All prompts queued at once, at most ``concurrency`` (default: all) running at a time."""
+             concurrency: int | None = None, proposer: Proposer | None = None) -> dict:
+    """All prompts queued at once, at most ``concurrency`` (default: all) running at a time.
+    ``proposer``: a new proposer for this run (default: a fresh one of the engine's kind)."""
     engine.speculator.decider = decider
     engine.scheduler.config = dataclasses.replace(engine.scheduler.config,
                                                   max_num_seqs=concurrency or len(prompts))
-    _fresh_proposer(engine)
+    if proposer is None:
+        _fresh_proposer(engine)
+    else:
+        engine.speculator.proposer = proposer
     engine.stats = SpecStats()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"eval-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
