@@ -316,6 +316,7 @@ def evaluate_cmd(
     min_requests: Annotated[int, typer.Option(help="Requests per cell at least (run at concurrency B).")] = 4,
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached or a fresh quick one).")] = None,
     null_control: Annotated[bool, typer.Option(help="Also run SD off a second time: how far a cell reads from itself.")] = True,
+    clairvoyant: Annotated[bool, typer.Option(help="Also run a decider that knows each step's accepted lengths: the ceiling of per-request k (ngram only).")] = True,
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
 ) -> None:
     """Every policy against every static k on the same closed batches, offline (greedy, goodput)."""
@@ -336,7 +337,7 @@ def evaluate_cmd(
     frames = [evaluate(loaded, prof, proposer=p, workloads=tuple(workloads.split(",")),
                        batch_sizes=tuple(int(b) for b in batch_sizes.split(",")),
                        policies=tuple(policies.split(",")), max_tokens=max_tokens, repeats=repeats,
-                       min_requests=min_requests, null_control=null_control)
+                       min_requests=min_requests, null_control=null_control, clairvoyant=clairvoyant)
               for p in proposers.split(",")]
     path = render_evaluation(pd.concat(frames, ignore_index=True), out,
                              "specplan " + shlex.join(sys.argv[1:]))

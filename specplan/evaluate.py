@@ -32,6 +32,7 @@ from pathlib import Path
 import pandas as pd
 from rich.progress import Progress
 
+from specplan.clairvoyant import SELF_CONTAINED_PROPOSERS, ClairvoyantDecider, accepted_lengths
 from specplan.engine import LLMEngine, SamplingParams
 from specplan.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specplan.engine.decider import FixedDecider
@@ -48,10 +49,20 @@ BATCH_SIZES = (1, 4, 16, 32)
 STATIC_KS = (0, 1, 2, 3, 4, 6, 8)
 POLICIES = ("batch_table", "heuristic", "roofline", "goodput")
 NULL_CONTROL = "control:off"  # static:0 again: its reading vs static:0 is the cell's noise
+CLAIRVOYANT = "clairvoyant"  # knows each step's accepted lengths (specplan/clairvoyant.py): the ceiling
 
 
 def _is_policy(decider: str) -> bool:
-    return not decider.startswith(("static:", "control:"))
+    return not decider.startswith(("static:", "control:")) and decider != CLAIRVOYANT
+
+
+def _request_id(index: int) -> str:
+    """run_cell's request ids: unique per run, ending in the prompt's index."""
+    return f"eval-{time.perf_counter_ns()}-{index}"
+
+
+def _request_index(request_id: str) -> int:
+    return int(request_id.rsplit("-", 1)[1])
 
 
 def _engine(loaded: LoadedModel, proposer: str, max_batch: int, draft_layers: int) -> LLMEngine:
@@ -85,7 +96,7 @@ def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: i
         engine.speculator.proposer = proposer
     engine.stats = SpecStats()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"eval-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
+    ids = [_request_id(i) for i in range(len(prompts))]
     t0 = time.perf_counter()
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
@@ -107,19 +118,24 @@ def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: i
 def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", workloads=WORKLOADS,
              batch_sizes=BATCH_SIZES, static_ks=STATIC_KS, policies=POLICIES, max_tokens: int = 64,
              draft_layers: int = 8, seed: int = 0, repeats: int = 1, min_requests: int = 4,
-             null_control: bool = True, progress: bool = True) -> pd.DataFrame:
+             null_control: bool = True, clairvoyant: bool = False, progress: bool = True) -> pd.DataFrame:
     """One row per (workload, B, decider): the median over ``repeats`` of goodput and friends. The
     deciders of a cell run interleaved within each repeat, in an order rotated by one each repeat,
     so machine drift hits them alike. A cell runs max(B, min_requests) requests at concurrency B:
     at B = 1 a single 64-token request would make the cell about one prompt (and about 1.5 s of a
-    noisy machine)."""
+    noisy machine).
+
+    ``clairvoyant``: also run the clairvoyant decider (n-gram only; skipped for other proposers),
+    which needs each cell's outputs first: one unrecorded SD-off run per cell gives them (and
+    warms the cell up)."""
     engine = _engine(loaded, proposer, max(batch_sizes), draft_layers)
+    clairvoyant = clairvoyant and proposer in SELF_CONTAINED_PROPOSERS
     deciders = [(f"static:{k}", lambda k=k: FixedDecider(k)) for k in static_ks]
     deciders += [(p, lambda p=p: planner_from_profile(profile, p, proposer=proposer, max_k=8)) for p in policies]
     if null_control:
         deciders.append((NULL_CONTROL, lambda: FixedDecider(0)))
     rows = []
-    total = len(workloads) * len(batch_sizes) * len(deciders) * repeats
+    total = len(workloads) * len(batch_sizes) * ((len(deciders) + clairvoyant) * repeats + clairvoyant)
     with Progress(disable=not progress) as bar:
         task = bar.add_task(f"evaluate ({proposer})", total=total)
         for w in workloads:
@@ -127,10 +143,19 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
             for b in batch_sizes:
                 prompts = pool[:max(b, min_requests)]
                 reference = None
-                runs: dict[str, list[dict]] = {name: [] for name, _ in deciders}
+                cell_deciders = list(deciders)
+                if clairvoyant:
+                    bar.update(task, description=f"{proposer} {w} B={b} reference")
+                    reference = run_cell(engine, prompts, FixedDecider(0), max_tokens, concurrency=b)["outputs"]
+                    bar.advance(task)
+                    table = accepted_lengths(make_proposer(engine.config.spec, None, engine.runner, engine.block_manager,
+                                                           engine.default_generator), prompts, reference,
+                                             engine.config.spec.max_k)
+                    cell_deciders.append((CLAIRVOYANT, lambda t=table: ClairvoyantDecider(t, _request_index)))
+                runs: dict[str, list[dict]] = {name: [] for name, _ in cell_deciders}
                 for rep in range(repeats):
-                    shift = rep % len(deciders)
-                    for name, make in deciders[shift:] + deciders[:shift]:
+                    shift = rep % len(cell_deciders)
+                    for name, make in cell_deciders[shift:] + cell_deciders[:shift]:
                         bar.update(task, description=f"{proposer} {w} B={b} {name}")
                         r = run_cell(engine, prompts, make(), max_tokens, concurrency=b)
                         outputs = r.pop("outputs")
@@ -195,13 +220,24 @@ def summarize(df: pd.DataFrame) -> dict:
                        for w, b in off.index}
             res["null_control"] = {"paired_vs_off": control, "min_vs_off": min(control.values()),
                                    "max_vs_off": max(control.values())}
-        for pol, g in d[d.decider.map(_is_policy)].groupby("decider"):
-            g = g.set_index(["workload", "batch_size"])["goodput"]
+        def geomean_and_paired(decider: str) -> tuple[pd.Series, float, dict]:
+            g = d[d.decider == decider].set_index(["workload", "batch_size"])["goodput"]
+            gm = math.exp(sum(math.log(x) for x in g) / len(g))
+            paired = {cell: paired_ratios({dec: list(r) for dec, r in runs.loc[cell].items()}, decider)
+                      for cell in g.index}
+            return g, gm, paired
+
+        ceiling = None
+        if (d.decider == CLAIRVOYANT).any():
+            _, ceiling, paired = geomean_and_paired(CLAIRVOYANT)
+            res["clairvoyant"] = {
+                "geomean_vs_best_single_static": ceiling / geo.max(),
+                "paired_per_cell": {f"{w}/B={b}": {"vs_off": v[0], "vs_best_static": v[1]}
+                                    for (w, b), v in paired.items()}}
+        for pol in d[d.decider.map(_is_policy)].decider.unique():
+            g, gm, paired = geomean_and_paired(pol)
             vs_best = (g / best).dropna()
             vs_off = (g / off).dropna()
-            gm = math.exp(sum(math.log(x) for x in g) / len(g))
-            paired = {cell: paired_ratios({dec: list(r) for dec, r in runs.loc[cell].items()}, pol)
-                      for cell in g.index}
             paired_off = min(v[0] for v in paired.values())
             paired_best = min(v[1] for v in paired.values())
             res["policies"][pol] = {
@@ -214,6 +250,8 @@ def summarize(df: pd.DataFrame) -> dict:
                 "paired_per_cell": {f"{w}/B={b}": {"vs_off": v[0], "vs_best_static": v[1]}
                                     for (w, b), v in paired.items()},
             }
+            if ceiling is not None:
+                res["policies"][pol]["geomean_vs_clairvoyant"] = gm / ceiling
         out[proposer] = res
     return out
 
@@ -260,10 +298,22 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str) -> Path:
             lines += ["", f"Null control: SD off run a second time as its own decider (`{NULL_CONTROL}`) reads "
                       f"{null['min_vs_off']:.3f}-{null['max_vs_off']:.3f}x `static:0` (paired, per cell). A policy "
                       "that reads within that band of off, or of the best static k, cannot be told from it in this run."]
+        top = s.get("clairvoyant")
+        if top:
+            per_cell = top["paired_per_cell"].values()
+            captured = ", ".join(f"`{pol}` {r['geomean_vs_clairvoyant']:.3f}" for pol, r in s["policies"].items())
+            lines += ["", f"Clairvoyant ceiling (`{CLAIRVOYANT}`): a decider that knows before each step how many of "
+                      f"each request's {proposer} drafts the target will accept, and asks for exactly those "
+                      f"(`specplan/clairvoyant.py`), reaches {top['geomean_vs_best_single_static']:.3f}x the best single "
+                      "static k (geo-mean), and "
+                      f"{min(v['vs_best_static'] for v in per_cell):.3f}-{max(v['vs_best_static'] for v in per_cell):.3f}x "
+                      f"the best static k per cell (paired). No per-request choice of k with this proposer on this machine "
+                      f"gets far past it. Geo-mean as a share of the ceiling: {captured}."]
         pivot = d.pivot_table(index=["workload", "batch_size"], columns="decider", values="goodput")
         # Every policy that ran, in the order it ran (goodput:0 beside goodput, not only POLICIES).
         policies = list(dict.fromkeys(c for c in d.decider if _is_policy(c)))
-        order = [c for c in [f"static:{k}" for k in STATIC_KS] + policies + [NULL_CONTROL] if c in pivot.columns]
+        order = [c for c in [f"static:{k}" for k in STATIC_KS] + policies + [CLAIRVOYANT, NULL_CONTROL]
+                 if c in pivot.columns]
         pivot = pivot[order]
         lines += ["", "Goodput (output tokens/s):", "", "| workload | B | " + " | ".join(order) + " |",
                   "|---|---|" + "---|" * len(order)]

@@ -166,3 +166,70 @@ def test_null_control_reads_off_against_itself_and_is_not_a_policy(tmp_path):
     assert (null["min_vs_off"], null["max_vs_off"]) == pytest.approx((0.96, 1.02))
     text = render_evaluation(df, tmp_path, "test").read_text()
     assert "0.960-1.020x `static:0`" in text and "| 0.960 |" in text
+
+
+def test_accepted_lengths_worked_example():
+    """specplan/clairvoyant.py's example: drafts that match the reference, per output length."""
+    from specplan.clairvoyant import accepted_lengths
+
+    table = accepted_lengths(NgramProposer(), [[1, 5, 7, 9]], [[5, 7, 2]], max_k=8)
+    # p=0: 9 never occurred before: no drafts. p=1: 5 -> [7, 9, 5] vs [7, 2]: 1. p=2: 5 7 -> [9, 5, 7] vs [2]: 0.
+    assert table == [[0, 1, 0]]
+    # a capped proposal cannot be accepted past the cap; drafts running past the output stop there
+    assert accepted_lengths(NgramProposer(), [[3, 4, 3, 4, 3, 4]], [[3, 4, 3, 4]], max_k=2) == [[2, 2, 2, 1]]
+    from specplan.engine.proposers.suffix import SuffixProposer
+
+    with pytest.raises(ValueError, match="own tokens"):
+        accepted_lengths(SuffixProposer(), [[1, 2]], [[3]], max_k=4)
+
+
+def test_clairvoyant_decider_drafts_only_what_is_accepted():
+    from specplan.clairvoyant import ClairvoyantDecider, accepted_lengths
+    from specplan.evaluate import _request_index
+
+    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
+    engine = _engine(loaded, "ngram", max_batch=4, draft_layers=1)
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 5, 6, 5], [7] * 9, [9, 8, 7]]
+    off = run_cell(engine, prompts, FixedDecider(0), max_tokens=16)
+    table = accepted_lengths(NgramProposer(), prompts, off["outputs"], max_k=8)
+    seen = run_cell(engine, prompts, ClairvoyantDecider(table, _request_index), max_tokens=16, concurrency=2)
+    assert seen["outputs"] == off["outputs"]
+    assert seen["mean_k"] > 0 and seen["acceptance"] == 1.0  # it drafted, and never a rejected token
+    guess = run_cell(engine, prompts, FixedDecider(8), max_tokens=16, concurrency=2)
+    assert guess["acceptance"] < 1.0  # the same proposer asked blindly wastes drafts
+
+
+def test_evaluate_runs_the_clairvoyant_ceiling_for_ngram_only(monkeypatch):
+    import specplan.evaluate as ev
+
+    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
+
+    class Ids:
+        def __init__(self, ids):
+            self.ids = ids
+
+        def render(self, tokenizer):
+            return self.ids
+
+    monkeypatch.setattr(ev, "load_workload", lambda w, n, seed: [Ids([1 + i, 2, 3, 1 + i, 2, 3]) for i in range(n)])
+    kw = dict(profile=None, workloads=("w",), batch_sizes=(2,), static_ks=(0, 2), policies=(), max_tokens=8,
+              repeats=2, null_control=False, clairvoyant=True, progress=False)
+    df = ev.evaluate(loaded, **kw)
+    assert set(df.decider) == {"static:0", "static:2", "clairvoyant"} and df.lossless.all()
+    top = df.set_index("decider").loc["clairvoyant"]
+    assert top.acceptance == 1.0 and top.repeats == 2
+    assert "clairvoyant" not in set(ev.evaluate(loaded, proposer="suffix", **kw).decider)
+
+
+def test_summary_and_report_show_the_clairvoyant_ceiling(tmp_path):
+    df = synthetic_results()
+    top = df[df.decider == "goodput"].assign(decider="clairvoyant", goodput=[22.0, 104.0])
+    df = pd.concat([df, top], ignore_index=True)
+    s = summarize(df)["ngram"]
+    assert set(s["policies"]) == {"goodput"}  # a bound, not a policy
+    assert s["clairvoyant"]["geomean_vs_best_single_static"] == pytest.approx((22 * 104) ** 0.5 / 40)
+    assert s["clairvoyant"]["paired_per_cell"]["w/B=1"]["vs_best_static"] == pytest.approx(22 / 20)
+    assert s["policies"]["goodput"]["geomean_vs_clairvoyant"] == pytest.approx((19.8 * 99 / (22 * 104)) ** 0.5)
+    text = render_evaluation(df, tmp_path, "test").read_text()
+    assert "| goodput | clairvoyant |" in text
+    assert f"reaches {(22 * 104) ** 0.5 / 40:.3f}x the best single static k" in text

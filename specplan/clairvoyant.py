@@ -1,0 +1,84 @@
+"""A clairvoyant decider for offline evaluation: how much per-request k could gain at all.
+
+The oracle (policies/oracle.py) answers "how good is the best fixed k per cell"; this answers
+"how good is the best k per request and step", the ceiling any adaptive policy works under with a
+given proposer on a given machine. It cheats: before each step it already knows, for each request,
+how many of the proposer's drafts the target will accept, and asks for exactly that many. So no
+draft is ever rejected and every draft that would have been accepted is verified.
+
+That is the best k of the step whenever an extra query row costs less than the token it brings,
+which holds on both sides of the roofline: a memory-bound step barely notices a row, and a
+compute-bound one costs about the same per row as the rows already in it. (A kernel that jumps in
+cost at a tile size could make skipping one sure draft better; that is the approximation.)
+
+How it knows: greedy speculation is lossless, so every decider of a cell emits the same tokens,
+and a reference run (SD off) gives each request's output. A lookup proposer whose drafts depend
+only on the request's own tokens (n-gram) proposes the same drafts at the same output length in
+any run; so replaying the reference through such a proposer gives, per request and output length
+p, the number of drafts that match the reference from p on: the accepted length.
+Worked example: prompt [1, 5, 7, 9], reference output [5, 7, 2]. At p = 1 the tokens end with 5,
+which followed 1 earlier, so the n-gram proposer drafts what came after that 5: [7, 9, 5]. The
+reference continues [7, 2]: 1 draft is accepted, and the decider asks for k = 1 there. At p = 2 the
+tokens end with "5 7", whose earlier occurrence was followed by [9, 5, 7]; the reference continues
+[2]: k = 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence as Seq
+
+from specplan.engine.decider import StepRecord, StepView
+from specplan.engine.proposers.base import Proposer
+from specplan.engine.sampling import SamplingParams
+from specplan.engine.sequence import Sequence
+
+# Proposers whose drafts are a function of the request's own tokens. Suffix decoding also learns
+# from other requests' outputs, which depend on the order requests ran in; a draft model is exact
+# only in its own run.
+SELF_CONTAINED_PROPOSERS = ("ngram",)
+
+
+def accepted_lengths(proposer: Proposer, prompts: Seq[Seq[int]], outputs: Seq[Seq[int]],
+                     max_k: int) -> list[list[int]]:
+    """Per request, per output length p (0 .. len(output) - 1): how many of the proposer's drafts
+    (up to ``max_k``) equal the reference output from p on."""
+    if getattr(proposer, "name", None) not in SELF_CONTAINED_PROPOSERS:
+        raise ValueError(f"the clairvoyant decider needs a proposer whose drafts depend only on the request's "
+                         f"own tokens ({', '.join(SELF_CONTAINED_PROPOSERS)}), not {getattr(proposer, 'name', proposer)!r}")
+    table = []
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        seq = Sequence(seq_id=-1 - i, request_id=f"clairvoyant-{i}", prompt_token_ids=list(prompt),
+                       params=SamplingParams(temperature=0.0))
+        accepted = []
+        for p in range(len(output)):
+            drafts = proposer.propose([seq], [max_k]).token_ids[0]
+            future = output[p:p + len(drafts)]
+            n = 0
+            while n < len(future) and drafts[n] == future[n]:
+                n += 1
+            accepted.append(n)
+            seq.token_ids.append(output[p])
+        proposer.on_finished(seq)
+        table.append(accepted)
+    return table
+
+
+@dataclass(frozen=True)
+class ClairvoyantDecider:
+    """k = the drafts that will be accepted (capped by the engine's max_k); see the module doc.
+    ``accepted[i][p]``: from ``accepted_lengths``; ``index_of`` maps a request id to its i."""
+
+    accepted: Seq[Seq[int]]
+    index_of: Callable[[str], int]
+
+    def decide(self, view: StepView) -> list[int]:
+        ks = []
+        for rv in view.requests:
+            row = self.accepted[self.index_of(rv.request_id)]
+            p = rv.num_output_tokens
+            ks.append(min(row[p], rv.max_k) if p < len(row) else 0)
+        return ks
+
+    def observe(self, record: StepRecord) -> None:
+        pass
