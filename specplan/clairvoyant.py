@@ -39,29 +39,45 @@ from specplan.engine.sequence import Sequence
 SELF_CONTAINED_PROPOSERS = ("ngram",)
 
 
-def accepted_lengths(proposer: Proposer, prompts: Seq[Seq[int]], outputs: Seq[Seq[int]],
-                     max_k: int) -> list[list[int]]:
-    """Per request, per output length p (0 .. len(output) - 1): how many of the proposer's drafts
-    (up to ``max_k``) equal the reference output from p on."""
+@dataclass(frozen=True)
+class Replayed:
+    """One request at one output length, replayed through the proposer against the reference."""
+
+    match_length: int  # what the proposer reported (0: no match)
+    num_drafts: int  # drafts it proposed, cut where the reference output ends (those can be judged)
+    accepted: int  # of those, how many equal the reference from here on
+
+
+def replay(proposer: Proposer, prompts: Seq[Seq[int]], outputs: Seq[Seq[int]], max_k: int) -> list[list[Replayed]]:
+    """Per request, per output length p (0 .. len(output) - 1): the proposer's drafts (up to
+    ``max_k``) against the reference output from p on."""
     if getattr(proposer, "name", None) not in SELF_CONTAINED_PROPOSERS:
-        raise ValueError(f"the clairvoyant decider needs a proposer whose drafts depend only on the request's "
-                         f"own tokens ({', '.join(SELF_CONTAINED_PROPOSERS)}), not {getattr(proposer, 'name', proposer)!r}")
+        raise ValueError(f"replaying needs a proposer whose drafts depend only on the request's own tokens "
+                         f"({', '.join(SELF_CONTAINED_PROPOSERS)}), not {getattr(proposer, 'name', proposer)!r}")
     table = []
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        seq = Sequence(seq_id=-1 - i, request_id=f"clairvoyant-{i}", prompt_token_ids=list(prompt),
+        seq = Sequence(seq_id=-1 - i, request_id=f"replay-{i}", prompt_token_ids=list(prompt),
                        params=SamplingParams(temperature=0.0))
-        accepted = []
+        steps = []
         for p in range(len(output)):
-            drafts = proposer.propose([seq], [max_k]).token_ids[0]
+            proposal = proposer.propose([seq], [max_k])
+            drafts = proposal.token_ids[0]
             future = output[p:p + len(drafts)]
             n = 0
             while n < len(future) and drafts[n] == future[n]:
                 n += 1
-            accepted.append(n)
+            steps.append(Replayed((proposal.match_length or [0])[0], len(future), n))
             seq.token_ids.append(output[p])
         proposer.on_finished(seq)
-        table.append(accepted)
+        table.append(steps)
     return table
+
+
+def accepted_lengths(proposer: Proposer, prompts: Seq[Seq[int]], outputs: Seq[Seq[int]],
+                     max_k: int) -> list[list[int]]:
+    """Per request, per output length p: how many of the proposer's drafts (up to ``max_k``)
+    equal the reference output from p on."""
+    return [[r.accepted for r in steps] for steps in replay(proposer, prompts, outputs, max_k)]
 
 
 @dataclass(frozen=True)

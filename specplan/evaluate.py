@@ -18,6 +18,10 @@ out) and scores it, and the policy, on the held-out one.
 How far a cell can read from itself is measured, not guessed: a null control (``control:off``)
 runs SD off a second time as its own decider, so its paired ratio to ``static:0`` is what a
 policy that changed nothing would score in that cell.
+
+And how far any per-request policy could get: the clairvoyant decider (specplan/clairvoyant.py)
+knows each step's accepted drafts in advance and asks for exactly those. It is the ceiling the
+policies are read against (n-gram only: its drafts depend on nothing but the request's tokens).
 """
 
 from __future__ import annotations
@@ -221,19 +225,22 @@ def summarize(df: pd.DataFrame) -> dict:
             res["null_control"] = {"paired_vs_off": control, "min_vs_off": min(control.values()),
                                    "max_vs_off": max(control.values())}
         def geomean_and_paired(decider: str) -> tuple[pd.Series, float, dict]:
+            """Its goodput per cell, their geo-mean, and per cell (vs off, vs best static), paired."""
             g = d[d.decider == decider].set_index(["workload", "batch_size"])["goodput"]
             gm = math.exp(sum(math.log(x) for x in g) / len(g))
             paired = {cell: paired_ratios({dec: list(r) for dec, r in runs.loc[cell].items()}, decider)
                       for cell in g.index}
             return g, gm, paired
 
+        def per_cell(paired: dict) -> dict:
+            return {f"{w}/B={b}": {"vs_off": v[0], "vs_best_static": v[1]} for (w, b), v in paired.items()}
+
         ceiling = None
         if (d.decider == CLAIRVOYANT).any():
             _, ceiling, paired = geomean_and_paired(CLAIRVOYANT)
             res["clairvoyant"] = {
                 "geomean_vs_best_single_static": ceiling / geo.max(),
-                "paired_per_cell": {f"{w}/B={b}": {"vs_off": v[0], "vs_best_static": v[1]}
-                                    for (w, b), v in paired.items()}}
+                "paired_per_cell": per_cell(paired)}
         for pol in d[d.decider.map(_is_policy)].decider.unique():
             g, gm, paired = geomean_and_paired(pol)
             vs_best = (g / best).dropna()
@@ -247,8 +254,7 @@ def summarize(df: pd.DataFrame) -> dict:
                 "pass_geomean": bool(gm / geo.max() >= 1.10),
                 "paired_min_vs_best_static": paired_best, "paired_min_vs_off": paired_off,
                 "pass_per_cell_paired": bool(paired_best >= 0.97 and paired_off >= 0.98),
-                "paired_per_cell": {f"{w}/B={b}": {"vs_off": v[0], "vs_best_static": v[1]}
-                                    for (w, b), v in paired.items()},
+                "paired_per_cell": per_cell(paired),
             }
             if ceiling is not None:
                 res["policies"][pol]["geomean_vs_clairvoyant"] = gm / ceiling

@@ -175,6 +175,11 @@ def test_accepted_lengths_worked_example():
     table = accepted_lengths(NgramProposer(), [[1, 5, 7, 9]], [[5, 7, 2]], max_k=8)
     # p=0: 9 never occurred before: no drafts. p=1: 5 -> [7, 9, 5] vs [7, 2]: 1. p=2: 5 7 -> [9, 5, 7] vs [2]: 0.
     assert table == [[0, 1, 0]]
+    from specplan.clairvoyant import Replayed, replay
+
+    # what a measurement by match length reads: drafts judged (cut at the output's end), accepted
+    assert replay(NgramProposer(), [[1, 5, 7, 9]], [[5, 7, 2]], max_k=8) == [
+        [Replayed(0, 0, 0), Replayed(1, 2, 1), Replayed(2, 1, 0)]]
     # a capped proposal cannot be accepted past the cap; drafts running past the output stop there
     assert accepted_lengths(NgramProposer(), [[3, 4, 3, 4, 3, 4]], [[3, 4, 3, 4]], max_k=2) == [[2, 2, 2, 1]]
     from specplan.engine.proposers.suffix import SuffixProposer
