@@ -23,12 +23,13 @@ Two things decide what k drafts are worth, and both are learned here from ``Requ
 
 * **match length** – a lookup proposer that drafts before the decision (n-gram, suffix) says how
   many trailing tokens it matched. That predicts acceptance better than anything else it knows:
-  for n-gram on SmolLM2-135M, greedy, 1-4 tokens matched, the first draft is accepted 21/52/68/81%
-  of the time and each later one 64/74/77/88%. So the planner keeps one belief per match-length
-  bucket (``match_bucket``), each with its own prior (``ProposerPrior.by_match_length``), and
-  values a draft by the belief of the match that found it: drafts after a 1-token match can stay
-  off while those after a 4-token match run deep, in the same request. (Suffix matches of 4 to
-  24 tokens share the last bucket; its prior has no per-length values and each bucket learns.)
+  for n-gram on SmolLM2-135M, greedy, after a match of 1, 2, 3, 4-7, 8-15 and 16+ tokens the
+  first draft is accepted 21/51/67/73/87/93% of the time and each later one 63/73/77/82/90/94%
+  (scripts/measure_match_acceptance.py). So the planner keeps one belief per match-length bucket
+  (``match_bucket``), each with its own prior (``ProposerPrior.by_match_length``), and values a
+  draft by the belief of the match that found it: drafts after a 1-token match can stay off
+  while those after a 16-token one run deep, in the same request, and even in a compute-bound
+  step. (The suffix proposer's prior has no per-length values; each of its buckets learns.)
 
 Both statistics are kept per request (discounted, so a request that moves from copying its prompt
 to free text is tracked) on top of a pooled prior per (proposer, workload) that learns from every
@@ -136,9 +137,8 @@ class ProposerPrior:
         return dataclasses.replace(self, alpha=alpha, alpha_first=alpha_first, p_first=1.0, by_match_length=())
 
 
-# Matches of this many trailing tokens or more share one bucket: the n-gram proposer matches at
-# most 4 by default, and past that the acceptance hardly depends on the length.
-MAX_MATCH_BUCKET = 4
+# Buckets 1-3 are matches of 1-3 tokens; from 4 on they double: 4-7, 8-15, 16 and more.
+MAX_MATCH_BUCKET = 6
 
 
 def match_bucket(match_length: int | None) -> int | None:
@@ -146,7 +146,7 @@ def match_bucket(match_length: int | None) -> int | None:
     no match length known, or no match, so the request's one belief for the proposer)."""
     if match_length is None or match_length <= 0:
         return None
-    return min(match_length, MAX_MATCH_BUCKET)
+    return match_length if match_length <= 3 else min(1 + match_length.bit_length(), MAX_MATCH_BUCKET)
 
 
 # Proposers that look drafts up in text (no model forward): often no match, drafting ~free.
@@ -156,10 +156,11 @@ LOOKUP_PROPOSERS = frozenset({"ngram", "suffix"})
 # proposer reports natural_k = min(available, max_natural_k), 8 by default in the engine.
 _MODEL_PRIOR = ProposerPrior(alpha=0.6, p_first=1.0, p_continue=1.0)
 DEFAULT_PRIORS: Mapping[str, ProposerPrior] = MappingProxyType({
-    # by_match_length: measured on SmolLM2-135M, greedy, 24 prompts per workload that the
-    # evaluation does not use (1-4 tokens matched: first draft 21/52/68/81%, later 64/74/77/88%).
+    # by_match_length, per match_bucket: measured by scripts/measure_match_acceptance.py
+    # (SmolLM2-135M, greedy, 24 prompts per workload that the evaluation does not use).
     "ngram": ProposerPrior(alpha=0.7, p_first=0.6, p_continue=0.85, natural_k_exact_below=8, alpha_first=0.5,
-                           by_match_length=((0.2, 0.65), (0.5, 0.75), (0.65, 0.75), (0.8, 0.85))),
+                           by_match_length=((0.2, 0.65), (0.5, 0.75), (0.65, 0.75), (0.73, 0.82), (0.87, 0.9),
+                                            (0.93, 0.94))),
     "suffix": ProposerPrior(alpha=0.7, p_first=0.6, p_continue=0.85, alpha_first=0.5),
 })
 

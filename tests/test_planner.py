@@ -21,7 +21,7 @@ from specplan.engine.decider import RequestRecord, RequestView, SpecDecider, Ste
 from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, DraftSlopeConfig, DriftCorrection, Planner,
                               PooledAcceptance, RequestAcceptance, StepCostModel, StepTimingLearner, allocate,
                               expected_tokens, step_goodput)
-from specplan.planner.acceptance import ProposerPrior, default_prior, match_bucket
+from specplan.planner.acceptance import MAX_MATCH_BUCKET, ProposerPrior, default_prior, match_bucket
 from specplan.planner.calibration import AcceptanceCalibration, CalibrationConfig
 from specplan.planner.drift import DraftPrice, DraftSlope
 from specplan.planner.goodput import MIN_DRAFT_INCREMENT, priced_seconds
@@ -603,10 +603,12 @@ def test_planner_pools_priors_per_workload():
 
 
 def test_match_buckets():
-    assert [match_bucket(m) for m in (None, 0, 1, 2, 3, 4, 7)] == [None, None, 1, 2, 3, 4, 4]
+    lengths = (None, 0, 1, 2, 3, 4, 7, 8, 15, 16, 24, 100)
+    assert [match_bucket(m) for m in lengths] == [None, None, 1, 2, 3, 4, 4, 5, 5, 6, 6, 6]
     prior = default_prior("ngram")
-    firsts = [prior.for_match(b).alpha_first for b in (1, 2, 3, 4)]
-    assert firsts == sorted(firsts) and firsts[0] < 0.3 < 0.7 < firsts[-1]
+    firsts = [prior.for_match(b).alpha_first for b in range(1, MAX_MATCH_BUCKET + 1)]
+    assert firsts == sorted(firsts) and firsts[0] < 0.3 < 0.9 < firsts[-1]
+    assert len(prior.by_match_length) == MAX_MATCH_BUCKET  # a measured prior for every bucket
     assert prior.for_match(2).p_first == 1.0  # a match means there is a proposal
     assert default_prior("draft").for_match(3) == default_prior("draft")  # no match lengths: one belief
 

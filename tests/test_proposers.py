@@ -115,7 +115,19 @@ def test_ngram_reports_how_many_tokens_it_matched():
     d = NgramProposer(max_n=4).propose(seqs, [3, 3, 3, 0])
     assert d.match_length == [2, 1, 0, 0]  # k = 0: not looked up
     assert d.token_ids == [[1, 9, 5], [2, 3, 1], [], []]
-    assert NgramProposer(max_n=4).propose(seqs[3:], [2]).match_length == [4]  # capped at max_n
+    assert NgramProposer(max_n=4).propose(seqs[3:], [2]).match_length == [4]  # nothing before to follow
+
+
+def test_ngram_match_length_follows_the_match_back():
+    # 1 2 3 4 is the longest n-gram (max_n = 4) and it ends at 6; the 5 6 before both agree too.
+    toks = [5, 6, 1, 2, 3, 4, 9, 8, 5, 6, 1, 2, 3, 4]
+    d = NgramProposer(max_n=4).propose([make_seq(toks)], [2])
+    assert d.token_ids == [[9, 8]] and d.match_length == [6]
+    assert NgramProposer(max_n=4, max_match_length=5).propose([make_seq(toks)], [2]).match_length == [5]
+    # a shorter n-gram cannot extend (or the longer one would have matched): the docstring's example
+    assert NgramProposer(max_n=4).propose([make_seq([1, 2, 3, 4, 9, 2, 3, 4])], [1]).match_length == [3]
+    with pytest.raises(ValueError, match="max_match_length"):
+        NgramProposer(max_n=4, max_match_length=3)
 
 
 def test_ngram_natural_k_is_capped():

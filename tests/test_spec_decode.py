@@ -110,7 +110,7 @@ class AsksForEight(PerRequestK):
         return [8] * len(view.requests)
 
 
-@pytest.mark.parametrize("proposer,longest_match,every_match_drafts", [("ngram", 4, True), ("suffix", 24, False)])
+@pytest.mark.parametrize("proposer,longest_match,every_match_drafts", [("ngram", 16, True), ("suffix", 24, False)])
 def test_lookup_drafts_are_shown_to_the_decider_before_it_decides(model, baseline, proposer, longest_match,
                                                                   every_match_drafts):
     prompts, expected = baseline

@@ -5,10 +5,15 @@ For a sequence with tokens ``t[0:L]`` (prompt + output) the proposer looks for t
 among those it takes the most recent ``e`` and proposes ``t[e:e+k]`` (shorter when the sequence
 ends first). The continuation may run into the current suffix itself; that is fine.
 
+It also reports the match length: n, followed further back while the tokens before ``e`` agree
+with those before ``L - n`` (up to ``max_match_length``). Only an n = max_n match can extend. The
+planner prices drafts by it: a long match is a passage being copied.
+
 Cost: each sequence keeps an incremental index ``n-gram -> most recent end position`` that is
 updated only with the tokens appended since the previous call (``max_n - min_n + 1`` dict writes
 per new token), so one lookup is at most ``max_n - min_n + 1`` dict reads whatever the context
-length. The index is keyed by ``seq_id`` and dropped in :meth:`NgramProposer.on_finished`.
+length, plus at most ``max_match_length`` comparisons for the match length. The index is keyed by
+``seq_id`` and dropped in :meth:`NgramProposer.on_finished`.
 """
 
 from __future__ import annotations
@@ -72,14 +77,17 @@ class NgramProposer:
     name = "ngram"
     proposes_prefixes = True  # t[e:e+k] is a prefix of t[e:e+k'] for k <= k'; a lookup is ~free
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, max_natural_k: int = 8):
+    def __init__(self, min_n: int = 1, max_n: int = 4, max_natural_k: int = 8, max_match_length: int = 16):
         if min_n < 1 or max_n < min_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if max_natural_k < 1:
             raise ValueError(f"max_natural_k must be >= 1, got {max_natural_k}")
+        if max_match_length < max_n:
+            raise ValueError(f"max_match_length must be >= max_n ({max_n}), got {max_match_length}")
         self.min_n = min_n
         self.max_n = max_n
         self.max_natural_k = max_natural_k
+        self.max_match_length = max_match_length
         self._states: dict[int, _NgramState] = {}
 
     # ------------------------------------------------------------------ state
@@ -127,16 +135,31 @@ class NgramProposer:
         matched: list[int] = []
         for seq, ki in zip(seqs, k):
             n, e = self.match(seq) if ki > 0 else (0, -1)
-            matched.append(n)
             if n == 0:
                 out.append([])
                 natural.append(0)
+                matched.append(0)
                 continue
             toks = self._states[seq.seq_id].mirror.toks
             available = len(toks) - e  # >= 1: e <= L - 1
             out.append(toks[e:e + ki])
             natural.append(min(available, self.max_natural_k))
+            matched.append(self._match_length(toks, n, e))
         return DraftTokens(token_ids=out, natural_k=natural, match_length=matched, seconds=time.perf_counter() - t0)
+
+    def _match_length(self, toks: list[int], n: int, e: int) -> int:
+        """The matched n-gram followed further back: how many trailing tokens agree with the ones
+        before ``e`` (up to ``max_match_length``). The drafts come from the n-gram alone; the length
+        tells the planner how much to trust them: after 16 matching tokens a passage is being
+        copied, after 4 it may be a common phrase.
+        Worked example: toks = [1, 2, 3, 4, 9, 2, 3, 4], n = 3 (2 3 4), e = 4; before it,
+        toks[0] = 1 against toks[4] = 9: no further agreement, so 3."""
+        last = len(toks) - 1
+        m = n
+        limit = min(self.max_match_length, e)  # toks[e - m - 1] must exist
+        while m < limit and toks[e - m - 1] == toks[last - m]:
+            m += 1
+        return m
 
     def on_finished(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
