@@ -18,10 +18,12 @@ import json
 import statistics
 import sys
 
+from _ab import median_goodput, paired, run_arms
 from specplan import evaluate as ev
 from specplan.adaptive import load_or_make_profile
 from specplan.engine.decider import FixedDecider
 from specplan.engine.loader import load_model
+from specplan.engine.proposers.suffix import SuffixProposer
 from specplan.planner.from_profile import planner_from_profile
 from specplan.profiler.workloads import load_workload
 
@@ -36,19 +38,13 @@ def main(batch_sizes: list[int], repeats: int, workloads: list[str]) -> None:
     def goodput() -> object:
         return planner_from_profile(profile, "goodput", proposer="suffix", max_k=8)
 
-    # (name, proposed ahead, decider factory)
-    deciders = [("ahead", True, goodput), ("after", False, goodput)]
-    deciders += [(name, True, lambda k=int(name[7:]): FixedDecider(k)) for name in STATIC]
+    arms = {"ahead": (goodput, SuffixProposer), "after": (goodput, proposer_asked_after)}
+    arms.update({name: (lambda k=int(name[7:]): FixedDecider(k), SuffixProposer) for name in STATIC})
     results = []
     for w in workloads:
         pool = [p.render(loaded.tokenizer) for p in load_workload(w, max(*batch_sizes, 4), 0)]
         for b in batch_sizes:
-            prompts = pool[:max(b, 4)]
-            runs: dict[str, list[dict]] = {name: [] for name, _, _ in deciders}
-            for rep in range(repeats):
-                shift = rep % len(deciders)
-                for name, ahead, make in deciders[shift:] + deciders[:shift]:
-                    runs[name].append(run(engine, prompts, make(), b, ahead))
+            runs = run_arms(engine, pool[:max(b, 4)], arms, b, repeats)
             results.append({"workload": w, "batch_size": b, "runs": runs})
             print(summary(w, b, runs), flush=True)
     out = f"suffix-lookahead-{','.join(map(str, batch_sizes))}.json"
@@ -57,33 +53,27 @@ def main(batch_sizes: list[int], repeats: int, workloads: list[str]) -> None:
     print(f"wrote {out}")
 
 
-def run(engine, prompts: list[list[int]], decider, batch: int, ahead: bool) -> dict:
-    """One closed batch with a fresh proposer that proposes ahead, or after (the old path)."""
-    ev._fresh_proposer(engine)
-    proposer = engine.speculator.proposer
-    proposer.proposes_prefixes = ahead
-    if not ahead:  # the old path: asked after deciding, no match length reported
-        def old_propose(seqs, k, propose=proposer.propose):
-            drafts = propose(seqs, k)
-            drafts.match_length = None
-            return drafts
-        proposer.propose = old_propose
-    r = ev.run_cell(engine, prompts, decider, 64, concurrency=batch, proposer=proposer)
-    return {key: r[key] for key in ("goodput", "mean_k", "k_zero_share", "acceptance")}
+def proposer_asked_after() -> SuffixProposer:
+    """The old path: asked after deciding, no match length reported."""
+    proposer = SuffixProposer()
+    proposer.proposes_prefixes = False
+
+    def old_propose(seqs, k, propose=proposer.propose):
+        drafts = propose(seqs, k)
+        drafts.match_length = None
+        return drafts
+    proposer.propose = old_propose
+    return proposer
 
 
 def summary(workload: str, batch: int, runs: dict[str, list[dict]]) -> str:
-    med = {name: statistics.median(r["goodput"] for r in rs) for name, rs in runs.items()}
-
-    def paired(a: str, b: str) -> float:
-        return statistics.median(x["goodput"] / y["goodput"] for x, y in zip(runs[a], runs[b]))
-
+    med = median_goodput(runs)
     best = max(STATIC[1:], key=lambda name: med[name])
     mean_k = {name: statistics.median(r["mean_k"] for r in runs[name]) for name in ("ahead", "after")}
     return (f"{workload} B={batch}: " + " ".join(f"{n} {g:.1f}" for n, g in med.items())
-            + f" | ahead/after {paired('ahead', 'after'):.3f}"
-            + f" | vs off: ahead {paired('ahead', 'static:0'):.3f} after {paired('after', 'static:0'):.3f}"
-            + f" | vs {best}: ahead {paired('ahead', best):.3f} after {paired('after', best):.3f}"
+            + f" | ahead/after {paired(runs, 'ahead', 'after'):.3f}"
+            + f" | vs off: ahead {paired(runs, 'ahead', 'static:0'):.3f} after {paired(runs, 'after', 'static:0'):.3f}"
+            + f" | vs {best}: ahead {paired(runs, 'ahead', best):.3f} after {paired(runs, 'after', best):.3f}"
             + f" | mean k ahead {mean_k['ahead']:.2f} after {mean_k['after']:.2f}")
 
 

@@ -1,0 +1,83 @@
+"""A/B: the n-gram match length followed back to 16 tokens (long) vs cut at the 4-gram (short).
+
+Long is the current path: the proposer reports how far back the matched 4-gram keeps agreeing
+(up to 16 tokens) and the planner keeps beliefs for matches of 4-7, 8-15 and 16+ tokens, whose
+first drafts are accepted 73/87/93% of the time (scripts/measure_match_acceptance.py). Short is
+the path before: lengths cut at 4, one bucket for every match of 4 or more, with the prior it had
+then (first draft 80%, later 85%).
+
+Both arms run the goodput policy in one engine over the same requests, interleaved with static:0
+(off), static:1, static:2 and the clairvoyant ceiling (specplan/clairvoyant.py; it needs each
+cell's outputs, so an unrecorded SD-off run comes first), in an order rotated each repeat. Per
+cell it prints the median goodputs and the paired ratios.
+
+A development benchmark: `.venv/bin/python scripts/bench_match_length.py 1,4,16,32 3` from the
+repo root (batch sizes, repeats, optional comma-separated workloads), on a quiet machine; it
+writes the per-run goodputs to match-length-<batch sizes>.json in the current directory.
+"""
+import dataclasses
+import json
+import statistics
+import sys
+
+from _ab import median_goodput, paired, run_arms
+from specplan import evaluate as ev
+from specplan.adaptive import load_or_make_profile
+from specplan.clairvoyant import ClairvoyantDecider, accepted_lengths
+from specplan.engine.decider import FixedDecider
+from specplan.engine.loader import load_model
+from specplan.engine.proposers.ngram import NgramProposer
+from specplan.planner.acceptance import default_prior
+from specplan.planner.from_profile import planner_from_profile
+from specplan.profiler.workloads import load_workload
+
+STATIC = ("static:0", "static:1", "static:2")
+# The n-gram prior before match lengths were followed back: buckets 1-3, and 4 for every longer match.
+SHORT_PRIOR = dataclasses.replace(default_prior("ngram"),
+                                  by_match_length=((0.2, 0.65), (0.5, 0.75), (0.65, 0.75), (0.8, 0.85)))
+
+
+def main(batch_sizes: list[int], repeats: int, workloads: list[str]) -> None:
+    loaded = load_model(None)
+    profile = load_or_make_profile(loaded, None)
+    engine = ev._engine(loaded, "ngram", max(batch_sizes), 8)
+    arms = {
+        "long": (lambda: planner_from_profile(profile, "goodput", proposer="ngram", max_k=8), NgramProposer),
+        "short": (lambda: planner_from_profile(profile, "goodput", proposer="ngram", max_k=8,
+                                               priors={"ngram": SHORT_PRIOR}),
+                  lambda: NgramProposer(max_match_length=4)),
+    }
+    arms.update({name: (lambda k=int(name[7:]): FixedDecider(k), NgramProposer) for name in STATIC})
+    results = []
+    for w in workloads:
+        pool = [p.render(loaded.tokenizer) for p in load_workload(w, max(*batch_sizes, 4), 0)]
+        for b in batch_sizes:
+            prompts = pool[:max(b, 4)]
+            reference = ev.run_cell(engine, prompts, FixedDecider(0), 64, concurrency=b)["outputs"]
+            table = accepted_lengths(NgramProposer(), prompts, reference, 8)
+            cell = dict(arms, clairvoyant=(lambda: ClairvoyantDecider(table, ev._request_index), NgramProposer))
+            runs = run_arms(engine, prompts, cell, b, repeats)
+            results.append({"workload": w, "batch_size": b, "runs": runs})
+            print(summary(w, b, runs), flush=True)
+    out = f"match-length-{','.join(map(str, batch_sizes))}.json"
+    with open(out, "w") as f:
+        json.dump(results, f)
+    print(f"wrote {out}")
+
+
+def summary(workload: str, batch: int, runs: dict[str, list[dict]]) -> str:
+    med = median_goodput(runs)
+    best = max(STATIC, key=lambda name: med[name])
+    mean_k = {name: statistics.median(r["mean_k"] for r in runs[name]) for name in ("long", "short")}
+    return (f"{workload} B={batch}: " + " ".join(f"{n} {g:.1f}" for n, g in med.items())
+            + f" | long/short {paired(runs, 'long', 'short'):.3f}"
+            + f" | vs off: long {paired(runs, 'long', 'static:0'):.3f} short {paired(runs, 'short', 'static:0'):.3f}"
+            + f" | vs {best}: long {paired(runs, 'long', best):.3f} short {paired(runs, 'short', best):.3f}"
+            + f" | vs clairvoyant: long {paired(runs, 'long', 'clairvoyant'):.3f}"
+            + f" short {paired(runs, 'short', 'clairvoyant'):.3f}"
+            + f" | mean k long {mean_k['long']:.2f} short {mean_k['short']:.2f}")
+
+
+if __name__ == "__main__":
+    main([int(b) for b in sys.argv[1].split(",")], int(sys.argv[2]),
+         sys.argv[3].split(",") if len(sys.argv) > 3 else list(ev.WORKLOADS))
