@@ -28,8 +28,8 @@ Two things decide what k drafts are worth, and both are learned here from ``Requ
   (scripts/measure_match_acceptance.py). So the planner keeps one belief per match-length bucket
   (``match_bucket``), each with its own prior (``ProposerPrior.by_match_length``), and values a
   draft by the belief of the match that found it: drafts after a 1-token match can stay off
-  while those after a 16-token one run deep, in the same request, and even in a compute-bound
-  step. (The suffix proposer's prior has no per-length values; each of its buckets learns.)
+  while those after a 16-token one run deep, in the same request, and can pay even in a
+  compute-bound step. (The suffix proposer's prior has no per-length values; each of its buckets learns.)
 
 Both statistics are kept per request (discounted, so a request that moves from copying its prompt
 to free text is tracked) on top of a pooled prior per (proposer, workload) that learns from every

@@ -17,7 +17,7 @@ only on the request's own tokens (n-gram) proposes the same drafts at the same o
 any run; so replaying the reference through such a proposer gives, per request and output length
 p, the number of drafts that match the reference from p on: the accepted length.
 Worked example: prompt [1, 5, 7, 9], reference output [5, 7, 2]. At p = 1 the tokens end with 5,
-which followed 1 earlier, so the n-gram proposer drafts what came after that 5: [7, 9, 5]. The
+as does [1, 5] in the prompt, so the n-gram proposer drafts what came after that 5: [7, 9, 5]. The
 reference continues [7, 2]: 1 draft is accepted, and the decider asks for k = 1 there. At p = 2 the
 tokens end with "5 7", whose earlier occurrence was followed by [9, 5, 7]; the reference continues
 [2]: k = 0.
