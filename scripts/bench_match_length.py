@@ -11,9 +11,15 @@ Both arms run the goodput policy in one engine over the same requests, interleav
 cell's outputs, so an unrecorded SD-off run comes first), in an order rotated each repeat. Per
 cell it prints the median goodputs and the paired ratios.
 
+With ``suffix`` as the fourth argument it runs the same A/B for the suffix proposer, whose
+matches run to 24 tokens: short cuts its reported lengths at 4, so they share one bucket from 4
+on as before (its prior has no per-length values). No clairvoyant arm there: suffix drafts also
+depend on other requests' outputs.
+
 A development benchmark: `.venv/bin/python scripts/bench_match_length.py 1,4,16,32 3` from the
-repo root (batch sizes, repeats, optional comma-separated workloads), on a quiet machine; it
-writes the per-run goodputs to match-length-<batch sizes>.json in the current directory.
+repo root (batch sizes, repeats, optional comma-separated workloads, optional proposer), on a
+quiet machine; it writes the per-run goodputs to match-length-<proposer>-<batch sizes>.json in
+the current directory.
 """
 import dataclasses
 import json
@@ -27,6 +33,7 @@ from specplan.clairvoyant import ClairvoyantDecider, accepted_lengths
 from specplan.engine.decider import FixedDecider
 from specplan.engine.loader import load_model
 from specplan.engine.proposers.ngram import NgramProposer
+from specplan.engine.proposers.suffix import SuffixProposer
 from specplan.planner.acceptance import default_prior
 from specplan.planner.from_profile import planner_from_profile
 from specplan.profiler.workloads import load_workload
@@ -37,32 +44,50 @@ SHORT_PRIOR = dataclasses.replace(default_prior("ngram"),
                                   by_match_length=((0.2, 0.65), (0.5, 0.75), (0.65, 0.75), (0.8, 0.85)))
 
 
-def main(batch_sizes: list[int], repeats: int, workloads: list[str]) -> None:
+def main(batch_sizes: list[int], repeats: int, workloads: list[str], proposer: str = "ngram") -> None:
     loaded = load_model(None)
     profile = load_or_make_profile(loaded, None)
-    engine = ev._engine(loaded, "ngram", max(batch_sizes), 8)
+    engine = ev._engine(loaded, proposer, max(batch_sizes), 8)
+    if proposer == "ngram":
+        make, make_short, short_priors = NgramProposer, lambda: NgramProposer(max_match_length=4), {"ngram": SHORT_PRIOR}
+    elif proposer == "suffix":
+        make, make_short, short_priors = SuffixProposer, lambda: lengths_cut_at_4(SuffixProposer()), None
+    else:
+        raise SystemExit(f"proposer must be ngram or suffix, not {proposer!r}")
     arms = {
-        "long": (lambda: planner_from_profile(profile, "goodput", proposer="ngram", max_k=8), NgramProposer),
-        "short": (lambda: planner_from_profile(profile, "goodput", proposer="ngram", max_k=8,
-                                               priors={"ngram": SHORT_PRIOR}),
-                  lambda: NgramProposer(max_match_length=4)),
+        "long": (lambda: planner_from_profile(profile, "goodput", proposer=proposer, max_k=8), make),
+        "short": (lambda: planner_from_profile(profile, "goodput", proposer=proposer, max_k=8, priors=short_priors),
+                  make_short),
     }
-    arms.update({name: (lambda k=int(name[7:]): FixedDecider(k), NgramProposer) for name in STATIC})
+    arms.update({name: (lambda k=int(name[7:]): FixedDecider(k), make) for name in STATIC})
     results = []
     for w in workloads:
         pool = [p.render(loaded.tokenizer) for p in load_workload(w, max(*batch_sizes, 4), 0)]
         for b in batch_sizes:
             prompts = pool[:max(b, 4)]
-            reference = ev.run_cell(engine, prompts, FixedDecider(0), 64, concurrency=b)["outputs"]
-            table = accepted_lengths(NgramProposer(), prompts, reference, 8)
-            cell = dict(arms, clairvoyant=(lambda: ClairvoyantDecider(table, ev._request_index), NgramProposer))
+            cell = dict(arms)
+            if proposer == "ngram":
+                reference = ev.run_cell(engine, prompts, FixedDecider(0), 64, concurrency=b)["outputs"]
+                table = accepted_lengths(NgramProposer(), prompts, reference, 8)
+                cell["clairvoyant"] = (lambda t=table: ClairvoyantDecider(t, ev._request_index), NgramProposer)
             runs = run_arms(engine, prompts, cell, b, repeats)
             results.append({"workload": w, "batch_size": b, "runs": runs})
             print(summary(w, b, runs), flush=True)
-    out = f"match-length-{','.join(map(str, batch_sizes))}.json"
+    out = f"match-length-{proposer}-{','.join(map(str, batch_sizes))}.json"
     with open(out, "w") as f:
         json.dump(results, f)
     print(f"wrote {out}")
+
+
+def lengths_cut_at_4(proposer):
+    """The proposer, reporting match lengths of at most 4 (one bucket from 4 on, as before)."""
+    def propose(seqs, k, inner=proposer.propose):
+        drafts = inner(seqs, k)
+        if drafts.match_length is not None:
+            drafts.match_length = [min(m, 4) for m in drafts.match_length]
+        return drafts
+    proposer.propose = propose
+    return proposer
 
 
 def summary(workload: str, batch: int, runs: dict[str, list[dict]]) -> str:
@@ -73,11 +98,12 @@ def summary(workload: str, batch: int, runs: dict[str, list[dict]]) -> str:
             + f" | long/short {paired(runs, 'long', 'short'):.3f}"
             + f" | vs off: long {paired(runs, 'long', 'static:0'):.3f} short {paired(runs, 'short', 'static:0'):.3f}"
             + f" | vs {best}: long {paired(runs, 'long', best):.3f} short {paired(runs, 'short', best):.3f}"
-            + f" | vs clairvoyant: long {paired(runs, 'long', 'clairvoyant'):.3f}"
-            + f" short {paired(runs, 'short', 'clairvoyant'):.3f}"
+            + (f" | vs clairvoyant: long {paired(runs, 'long', 'clairvoyant'):.3f}"
+               f" short {paired(runs, 'short', 'clairvoyant'):.3f}" if "clairvoyant" in runs else "")
             + f" | mean k long {mean_k['long']:.2f} short {mean_k['short']:.2f}")
 
 
 if __name__ == "__main__":
     main([int(b) for b in sys.argv[1].split(",")], int(sys.argv[2]),
-         sys.argv[3].split(",") if len(sys.argv) > 3 else list(ev.WORKLOADS))
+         sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] else list(ev.WORKLOADS),
+         sys.argv[4] if len(sys.argv) > 4 else "ngram")
