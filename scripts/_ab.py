@@ -1,9 +1,11 @@
 """What the A/B scripts share: arms run on the same requests in one engine, interleaved, and
 paired ratios. Each arm is a decider and a proposer, both made fresh for every run."""
+import json
 import statistics
 from typing import Callable
 
 from specplan import evaluate as ev
+from specplan.profiler.workloads import load_workload
 
 Arm = tuple[Callable[[], object], Callable[[], object]]  # (make decider, make proposer)
 
@@ -30,3 +32,21 @@ def median_goodput(runs: dict[str, list[dict]]) -> dict[str, float]:
 def paired(runs: dict[str, list[dict]], a: str, b: str) -> float:
     """Median over repeats of a's goodput over b's in the same repeat."""
     return statistics.median(x["goodput"] / y["goodput"] for x, y in zip(runs[a], runs[b]))
+
+
+def run_grid(loaded, engine, workloads: list[str], batch_sizes: list[int], repeats: int,
+             arms_for: Callable[[list[list[int]], int], dict[str, Arm]],
+             summary: Callable[[str, int, dict[str, list[dict]]], str], out: str) -> None:
+    """Every (workload, B) cell: max(B, 4) prompts (the evaluation's), the arms ``arms_for(prompts,
+    B)`` gives, a summary line printed as each cell ends, and every run written to ``out`` (JSON)."""
+    results = []
+    for w in workloads:
+        pool = [p.render(loaded.tokenizer) for p in load_workload(w, max(*batch_sizes, 4), 0)]
+        for b in batch_sizes:
+            prompts = pool[:max(b, 4)]
+            runs = run_arms(engine, prompts, arms_for(prompts, b), b, repeats)
+            results.append({"workload": w, "batch_size": b, "runs": runs})
+            print(summary(w, b, runs), flush=True)
+    with open(out, "w") as f:
+        json.dump(results, f)
+    print(f"wrote {out}")

@@ -22,21 +22,18 @@ quiet machine; it writes the per-run goodputs to match-length-<proposer>-<batch 
 the current directory.
 """
 import dataclasses
-import json
 import statistics
 import sys
 
-from _ab import median_goodput, paired, run_arms
+from _ab import median_goodput, paired, run_grid
 from specplan import evaluate as ev
 from specplan.adaptive import load_or_make_profile
-from specplan.clairvoyant import ClairvoyantDecider, accepted_lengths
 from specplan.engine.decider import FixedDecider
 from specplan.engine.loader import load_model
 from specplan.engine.proposers.ngram import NgramProposer
 from specplan.engine.proposers.suffix import SuffixProposer
 from specplan.planner.acceptance import default_prior
 from specplan.planner.from_profile import planner_from_profile
-from specplan.profiler.workloads import load_workload
 
 STATIC = ("static:0", "static:1", "static:2")
 # The n-gram prior before match lengths were followed back: buckets 1-3, and 4 for every longer match.
@@ -60,23 +57,15 @@ def main(batch_sizes: list[int], repeats: int, workloads: list[str], proposer: s
                   make_short),
     }
     arms.update({name: (lambda k=int(name[7:]): FixedDecider(k), make) for name in STATIC})
-    results = []
-    for w in workloads:
-        pool = [p.render(loaded.tokenizer) for p in load_workload(w, max(*batch_sizes, 4), 0)]
-        for b in batch_sizes:
-            prompts = pool[:max(b, 4)]
-            cell = dict(arms)
-            if proposer == "ngram":
-                reference = ev.run_cell(engine, prompts, FixedDecider(0), 64, concurrency=b)["outputs"]
-                table = accepted_lengths(NgramProposer(), prompts, reference, 8)
-                cell["clairvoyant"] = (lambda t=table: ClairvoyantDecider(t, ev._request_index), NgramProposer)
-            runs = run_arms(engine, prompts, cell, b, repeats)
-            results.append({"workload": w, "batch_size": b, "runs": runs})
-            print(summary(w, b, runs), flush=True)
-    out = f"match-length-{proposer}-{','.join(map(str, batch_sizes))}.json"
-    with open(out, "w") as f:
-        json.dump(results, f)
-    print(f"wrote {out}")
+
+    def arms_for(prompts: list[list[int]], batch: int) -> dict:
+        if proposer != "ngram":
+            return arms
+        _, make_clairvoyant = ev.clairvoyant_for(engine, prompts, 64, batch)
+        return dict(arms, clairvoyant=(make_clairvoyant, NgramProposer))
+
+    run_grid(loaded, engine, workloads, batch_sizes, repeats, arms_for, summary,
+             f"match-length-{proposer}-{','.join(map(str, batch_sizes))}.json")
 
 
 def lengths_cut_at_4(proposer):

@@ -14,18 +14,16 @@ A development benchmark: `.venv/bin/python scripts/bench_suffix_lookahead.py 1,3
 root (batch sizes, repeats, optional comma-separated workloads), on a quiet machine; it writes the
 per-run goodputs to suffix-lookahead-<batch sizes>.json in the current directory.
 """
-import json
 import statistics
 import sys
 
-from _ab import median_goodput, paired, run_arms
+from _ab import median_goodput, paired, run_grid
 from specplan import evaluate as ev
 from specplan.adaptive import load_or_make_profile
 from specplan.engine.decider import FixedDecider
 from specplan.engine.loader import load_model
 from specplan.engine.proposers.suffix import SuffixProposer
 from specplan.planner.from_profile import planner_from_profile
-from specplan.profiler.workloads import load_workload
 
 STATIC = ("static:0", "static:2", "static:3")
 
@@ -40,17 +38,8 @@ def main(batch_sizes: list[int], repeats: int, workloads: list[str]) -> None:
 
     arms = {"ahead": (goodput, SuffixProposer), "after": (goodput, proposer_asked_after)}
     arms.update({name: (lambda k=int(name[7:]): FixedDecider(k), SuffixProposer) for name in STATIC})
-    results = []
-    for w in workloads:
-        pool = [p.render(loaded.tokenizer) for p in load_workload(w, max(*batch_sizes, 4), 0)]
-        for b in batch_sizes:
-            runs = run_arms(engine, pool[:max(b, 4)], arms, b, repeats)
-            results.append({"workload": w, "batch_size": b, "runs": runs})
-            print(summary(w, b, runs), flush=True)
-    out = f"suffix-lookahead-{','.join(map(str, batch_sizes))}.json"
-    with open(out, "w") as f:
-        json.dump(results, f)
-    print(f"wrote {out}")
+    run_grid(loaded, engine, workloads, batch_sizes, repeats, lambda prompts, b: arms, summary,
+             f"suffix-lookahead-{','.join(map(str, batch_sizes))}.json")
 
 
 def proposer_asked_after() -> SuffixProposer:

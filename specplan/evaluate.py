@@ -119,6 +119,16 @@ def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: i
             "outputs": outputs}
 
 
+def clairvoyant_for(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int):
+    """(the prompts' outputs with SD off, a maker of clairvoyant deciders for runs of them):
+    the outputs come from one run_cell, replayed through a fresh proposer of the engine's kind."""
+    reference = run_cell(engine, prompts, FixedDecider(0), max_tokens, concurrency=concurrency)["outputs"]
+    spec = engine.config.spec
+    proposer = make_proposer(spec, None, engine.runner, engine.block_manager, engine.default_generator)
+    table = accepted_lengths(proposer, prompts, reference, spec.max_k)
+    return reference, lambda: ClairvoyantDecider(table, _request_index)
+
+
 def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", workloads=WORKLOADS,
              batch_sizes=BATCH_SIZES, static_ks=STATIC_KS, policies=POLICIES, max_tokens: int = 64,
              draft_layers: int = 8, seed: int = 0, repeats: int = 1, min_requests: int = 4,
@@ -150,12 +160,9 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
                 cell_deciders = list(deciders)
                 if clairvoyant:
                     bar.update(task, description=f"{proposer} {w} B={b} reference")
-                    reference = run_cell(engine, prompts, FixedDecider(0), max_tokens, concurrency=b)["outputs"]
+                    reference, make_clairvoyant = clairvoyant_for(engine, prompts, max_tokens, b)
                     bar.advance(task)
-                    table = accepted_lengths(make_proposer(engine.config.spec, None, engine.runner, engine.block_manager,
-                                                           engine.default_generator), prompts, reference,
-                                             engine.config.spec.max_k)
-                    cell_deciders.append((CLAIRVOYANT, lambda t=table: ClairvoyantDecider(t, _request_index)))
+                    cell_deciders.append((CLAIRVOYANT, make_clairvoyant))
                 runs: dict[str, list[dict]] = {name: [] for name, _ in cell_deciders}
                 for rep in range(repeats):
                     shift = rep % len(cell_deciders)

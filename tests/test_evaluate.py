@@ -97,19 +97,27 @@ def test_cells_are_lossless_across_deciders():
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_evaluate_reports_medians_of_interleaved_repeats(monkeypatch):
+class _Ids:
+    """A workload prompt already tokenized."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def render(self, tokenizer):
+        return self.ids
+
+
+@pytest.fixture
+def ev_with_tiny_workloads(monkeypatch):
+    """specplan.evaluate with every workload made of short repetitive prompts, and a tiny model."""
     import specplan.evaluate as ev
 
-    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
+    monkeypatch.setattr(ev, "load_workload", lambda w, n, seed: [_Ids([1 + i, 2, 3, 1 + i, 2, 3]) for i in range(n)])
+    return ev, loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
 
-    class Ids:
-        def __init__(self, ids):
-            self.ids = ids
 
-        def render(self, tokenizer):
-            return self.ids
-
-    monkeypatch.setattr(ev, "load_workload", lambda w, n, seed: [Ids([1 + i, 2, 3, 1 + i, 2, 3]) for i in range(n)])
+def test_evaluate_reports_medians_of_interleaved_repeats(ev_with_tiny_workloads, monkeypatch):
+    ev, loaded = ev_with_tiny_workloads
     monkeypatch.setattr(ev, "planner_from_profile", lambda *a, **k: FixedDecider(2))
     df = ev.evaluate(loaded, profile=None, workloads=("w",), batch_sizes=(1, 2), static_ks=(0, 3),
                      policies=("goodput",), max_tokens=6, repeats=3, progress=False)
@@ -204,19 +212,8 @@ def test_clairvoyant_decider_drafts_only_what_is_accepted():
     assert guess["acceptance"] < 1.0  # the same proposer asked blindly wastes drafts
 
 
-def test_evaluate_runs_the_clairvoyant_ceiling_for_ngram_only(monkeypatch):
-    import specplan.evaluate as ev
-
-    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
-
-    class Ids:
-        def __init__(self, ids):
-            self.ids = ids
-
-        def render(self, tokenizer):
-            return self.ids
-
-    monkeypatch.setattr(ev, "load_workload", lambda w, n, seed: [Ids([1 + i, 2, 3, 1 + i, 2, 3]) for i in range(n)])
+def test_evaluate_runs_the_clairvoyant_ceiling_for_ngram_only(ev_with_tiny_workloads):
+    ev, loaded = ev_with_tiny_workloads
     kw = dict(profile=None, workloads=("w",), batch_sizes=(2,), static_ks=(0, 2), policies=(), max_tokens=8,
               repeats=2, null_control=False, clairvoyant=True, progress=False)
     df = ev.evaluate(loaded, **kw)
