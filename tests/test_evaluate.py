@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -235,3 +236,47 @@ def test_summary_and_report_show_the_clairvoyant_ceiling(tmp_path):
     text = render_evaluation(df, tmp_path, "test").read_text()
     assert "| goodput | clairvoyant |" in text
     assert f"reaches {(22 * 104) ** 0.5 / 40:.3f}x the best single static k" in text
+
+
+def test_resampled_geomean_ratios_keep_pairs_and_rechoose_the_best_static():
+    from itertools import product
+
+    from specplan.evaluate import resampled_geomean_ratios
+
+    def runs(cells: dict) -> pd.Series:
+        return pd.Series({(w, b, dec): xs for (w, b), by in cells.items() for dec, xs in by.items()}).rename_axis(
+            ["workload", "batch_size", "decider"])
+
+    # A policy 1.2x static:1 in every repeat, under a slow spell that hits both: pairing keeps it at 1.2.
+    spell = [10.0, 7.0, 13.0]
+    steady = resampled_geomean_ratios(runs({("w", 1): {"static:0": [5, 5, 5], "static:1": spell,
+                                                       "goodput": [1.2 * x for x in spell]}}), "goodput")
+    assert steady.shape == (2000,) and steady == pytest.approx(1.2)
+    # The docstring's example: every draw is the median ratio of some pick of three repeats.
+    one = {"static:1": [10.0, 11.0, 12.0], "goodput": [12.0, 12.0, 15.0]}
+    feasible = {round(sorted(one["goodput"][i] for i in p)[1] / sorted(one["static:1"][i] for i in p)[1], 9)
+                for p in product(range(3), repeat=3)}
+    draws = resampled_geomean_ratios(runs({("w", 1): one}), "goodput", draws=500)
+    assert set(np.round(draws, 9)) <= feasible and draws.min() < draws.max()
+    # Two cells, two statics: the bar is whichever static has the larger geo-mean on that draw.
+    cells = {("w", 1): {"static:0": [10.0] * 3, "static:2": [20.0] * 3, "goodput": [20.0] * 3},
+             ("w", 32): {"static:0": [100.0] * 3, "static:2": [80.0] * 3, "goodput": [100.0] * 3}}
+    # static:0: sqrt(10 * 100) = 31.6, static:2: sqrt(20 * 80) = 40, goodput sqrt(20 * 100) = 44.7
+    assert resampled_geomean_ratios(runs(cells), "goodput") == pytest.approx((20 * 100) ** 0.5 / 40)
+
+
+def test_summary_and_report_give_geomean_intervals(tmp_path):
+    df = synthetic_results()
+    df["goodput_all"] = df["goodput"].apply(lambda g: [g * 1.1, g, g * 0.9])
+    df.loc[df.decider == "goodput", "goodput_all"] = df.loc[df.decider == "goodput", "goodput"].apply(
+        lambda g: [g * 0.9, g, g * 1.1])  # the policy's noise runs against the statics'
+    top = df[df.decider == "goodput"].assign(decider="clairvoyant", goodput=[22.0, 104.0])
+    top["goodput_all"] = top["goodput"].apply(lambda g: [g, g, g])
+    s = summarize(pd.concat([df, top], ignore_index=True))["ngram"]
+    lo, hi = s["policies"]["goodput"]["geomean_interval_90"]
+    assert lo < s["policies"]["goodput"]["geomean_vs_best_single_static"] < hi and hi - lo > 0.05
+    assert 0.0 < s["policies"]["goodput"]["share_of_resamples_at_target"] < 1.0
+    assert s["clairvoyant"]["geomean_interval_90"][0] < s["clairvoyant"]["geomean_vs_best_single_static"]
+    text = render_evaluation(pd.concat([df, top], ignore_index=True), tmp_path, "test").read_text()
+    assert f"({'yes' if s['policies']['goodput']['pass_geomean'] else 'no'}; {lo:.3f}-{hi:.3f})" in text
+    assert "of resamples)" in text
