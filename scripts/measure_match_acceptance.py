@@ -13,26 +13,23 @@ repo root (about a minute); timing does not matter, so the machine need not be q
 from collections import defaultdict
 
 from specplan import evaluate as ev
-from specplan.clairvoyant import replay
-from specplan.engine.decider import FixedDecider
 from specplan.engine.loader import load_model
-from specplan.engine.proposers.ngram import NgramProposer
 from specplan.planner.acceptance import match_bucket
 from specplan.profiler.workloads import load_workload
 
-PROMPTS, MAX_TOKENS, MAX_K = 24, 64, 8
+PROMPTS, MAX_TOKENS = 24, 64
 
 
 def main() -> None:
     loaded = load_model(None)
-    engine = ev._engine(loaded, "ngram", PROMPTS, MAX_K)
+    engine = ev._engine(loaded, "ngram", PROMPTS, draft_layers=8)  # the evaluation's (unused by n-gram)
     # (workload or "all", bucket) -> [first drafts judged, accepted, later drafts judged, accepted]
     counts: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for w in ev.WORKLOADS:
         used = {tuple(p.render(loaded.tokenizer)) for p in load_workload(w, 32, 0)}
         held_out = [ids for p in load_workload(w) if tuple(ids := p.render(loaded.tokenizer)) not in used][:PROMPTS]
-        outputs = ev.run_cell(engine, held_out, FixedDecider(0), MAX_TOKENS, concurrency=PROMPTS)["outputs"]
-        for steps in replay(NgramProposer(), held_out, outputs, MAX_K):
+        _, replayed = ev.replayed_reference(engine, held_out, MAX_TOKENS, concurrency=PROMPTS)
+        for steps in replayed:
             for r in steps:
                 if r.num_drafts == 0:
                     continue

@@ -26,15 +26,13 @@ import torch
 
 from specplan import evaluate as ev
 from specplan.adaptive import load_or_make_profile
-from specplan.clairvoyant import replay
-from specplan.engine.decider import FixedDecider, StepRecord, StepView
+from specplan.engine.decider import StepRecord, StepView
 from specplan.engine.loader import load_model
-from specplan.engine.proposers.factory import make_proposer
 from specplan.planner.acceptance import match_bucket
 from specplan.planner.from_profile import planner_from_profile
 from specplan.profiler.workloads import load_workload
 
-MAX_TOKENS, MAX_K = 64, 8
+MAX_TOKENS, MAX_K = 64, 8  # the evaluation's output length and k cap
 
 
 class RecordingDecider:
@@ -56,14 +54,11 @@ class RecordingDecider:
 def main(batch: int, workloads: list[str]) -> None:
     loaded = load_model(None)
     profile = load_or_make_profile(loaded, None)
-    engine = ev._engine(loaded, "ngram", max(batch, 4), MAX_K)
+    engine = ev._engine(loaded, "ngram", max(batch, 4), draft_layers=8)  # the evaluation's (unused by n-gram)
     print("workload  bucket  steps     k  possible  taken  wasted  short")
     for workload in workloads:
         prompts = [p.render(loaded.tokenizer) for p in load_workload(workload, 32, 0)][:max(batch, 4)]
-        reference = ev.run_cell(engine, prompts, FixedDecider(0), MAX_TOKENS, concurrency=batch)["outputs"]
-        # the engine's own proposer settings: a default NgramProposer need not draft what it drafts
-        proposer = make_proposer(engine.config.spec, None, engine.runner, engine.block_manager, engine.default_generator)
-        table = replay(proposer, prompts, reference, MAX_K)
+        _, table = ev.replayed_reference(engine, prompts, MAX_TOKENS, concurrency=batch)
         decider = RecordingDecider(planner_from_profile(profile, "goodput", proposer="ngram", max_k=MAX_K))
         ev.run_cell(engine, prompts, decider, MAX_TOKENS, concurrency=batch)
         # bucket -> [steps, k, possible, taken, wasted, short]

@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 from rich.progress import Progress
 
-from specplan.clairvoyant import SELF_CONTAINED_PROPOSERS, ClairvoyantDecider, accepted_lengths
+from specplan.clairvoyant import SELF_CONTAINED_PROPOSERS, ClairvoyantDecider, Replayed, replay
 from specplan.engine import LLMEngine, SamplingParams
 from specplan.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specplan.engine.decider import FixedDecider
@@ -121,14 +121,22 @@ def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: i
             "outputs": outputs}
 
 
-def clairvoyant_for(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int):
-    """(the prompts' outputs with SD off, a maker of clairvoyant deciders for runs of them):
-    the outputs come from one run_cell, replayed through a fresh proposer of the engine's kind."""
+def replayed_reference(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+                       concurrency: int) -> tuple[list[list[int]], list[list[Replayed]]]:
+    """The prompts' outputs with SD off (one run_cell), and those outputs replayed through a fresh
+    proposer of the engine's kind and settings (clairvoyant.replay): per request and output length,
+    the drafts it would propose and how many of them the target accepts."""
     reference = run_cell(engine, prompts, FixedDecider(0), max_tokens, concurrency=concurrency)["outputs"]
     spec = engine.config.spec
     proposer = make_proposer(spec, None, engine.runner, engine.block_manager, engine.default_generator)
-    table = accepted_lengths(proposer, prompts, reference, spec.max_k)
-    return reference, lambda: ClairvoyantDecider(table, _request_index)
+    return reference, replay(proposer, prompts, reference, spec.max_k)
+
+
+def clairvoyant_for(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int):
+    """(the prompts' outputs with SD off, a maker of clairvoyant deciders for runs of them)."""
+    reference, replayed = replayed_reference(engine, prompts, max_tokens, concurrency)
+    accepted = [[r.accepted for r in steps] for steps in replayed]
+    return reference, lambda: ClairvoyantDecider(accepted, _request_index)
 
 
 def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", workloads=WORKLOADS,
