@@ -26,7 +26,6 @@ class RequestView:
     available_drafts: int | None = None
     # How many trailing tokens the lookup matched to find those drafts (DraftTokens.match_length).
     match_length: int | None = None
-    contested: bool = False  # other continuations followed the matched text before (DraftTokens.contested)
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,6 @@ class RequestRecord:
     num_emitted: int  # tokens appended this step (accepted + 1, less if a stop truncated)
     natural_k: int | None = None  # the proposer's own preferred length, if it has one
     match_length: int | None = None  # trailing tokens the lookup matched (DraftTokens.match_length)
-    contested: bool = False  # the match was contested (DraftTokens.contested)
 
     @property
     def accepted_per_position(self) -> tuple[bool, ...]:

@@ -190,12 +190,11 @@ class LLMEngine:
             drafts = proposal.drafts if proposal is not None else None
             natural = drafts.natural_k[j] if drafts is not None and drafts.natural_k is not None else None
             matched = drafts.match_length[j] if drafts is not None and drafts.match_length is not None else None
-            contested = drafts is not None and drafts.contested is not None and drafts.contested[j]
             reqs.append(RequestRecord(
                 seq_id=w.seq.seq_id, request_id=w.seq.request_id,
                 k=proposal.k[j] if proposal is not None else 0, num_proposed=w.num_drafts,
                 num_accepted=v.num_accepted, num_emitted=emitted[w.seq.seq_id], natural_k=natural,
-                match_length=matched, contested=contested))
+                match_length=matched))
         propose_s, forward_s, verify_s, total_s = times
         record = StepRecord(
             requests=tuple(reqs), num_seqs=len(work), num_tokens=num_tokens,

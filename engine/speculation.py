@@ -66,8 +66,7 @@ class Speculator:
         view = StepView(
             requests=tuple(RequestView(s.seq_id, s.request_id, s.num_tokens, s.num_output_tokens, cap,
                                        s.params.greedy, cap if up_front else None,
-                                       ahead.match_length[i] if ahead is not None and ahead.match_length else None,
-                                       ahead is not None and ahead.contested is not None and ahead.contested[i])
+                                       ahead.match_length[i] if ahead is not None and ahead.match_length else None)
                            for i, (s, cap) in enumerate(zip(seqs, caps))),
             proposer=self.proposer.name, draft_budget=budget, **view_extra)
         t0 = time.perf_counter()

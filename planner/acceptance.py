@@ -23,17 +23,13 @@ Two things decide what k drafts are worth, and both are learned here from ``Requ
 
 * **match length** – a lookup proposer that drafts before the decision (n-gram, suffix) says how
   many trailing tokens it matched. That predicts acceptance better than anything else it knows:
-  for n-gram on SmolLM2-135M, greedy, after an uncontested match of 1, 2, 3, 4-7, 8-15 and 16+
-  tokens the first draft is accepted 28/56/70/78/87/93% of the time and each later one
-  64/74/77/82/90/94% (scripts/measure_match_acceptance.py). So the planner keeps one belief per match-length bucket
+  for n-gram on SmolLM2-135M, greedy, after a match of 1, 2, 3, 4-7, 8-15 and 16+ tokens the
+  first draft is accepted 21/51/67/73/87/93% of the time and each later one 63/73/77/82/90/94%
+  (scripts/measure_match_acceptance.py). So the planner keeps one belief per match-length bucket
   (``match_bucket``), each with its own prior (``ProposerPrior.by_match_length``), and values a
   draft by the belief of the match that found it: drafts after a 1-token match can stay off
   while those after a 16-token one run deep, in the same request, and can pay even in a
   compute-bound step. (The suffix proposer's prior has no per-length values; each of its buckets learns.)
-  A contested match (the n-gram proposer's ``DraftTokens.contested``: the matched text was
-  followed by something else at every earlier occurrence but the one drafted from) gets a bucket
-  of its own, whatever its length: its first draft is accepted 12-33% of the time (after 1-token
-  to 4-token matches), the uncontested ones of each length 28-89%.
 
 Both statistics are kept per request (discounted, so a request that moves from copying its prompt
 to free text is tracked) on top of a pooled prior per (proposer, workload) that learns from every
@@ -131,35 +127,25 @@ class ProposerPrior:
     # (alpha_first, alpha) after a lookup matched 1, 2, ... trailing tokens (the last entry also
     # covers longer matches); empty: the proposer reports no match length (see ``for_match``).
     by_match_length: tuple[tuple[float, float], ...] = ()
-    contested: tuple[float, float] | None = None  # (alpha_first, alpha) after a contested match
 
     def for_match(self, bucket: int) -> "ProposerPrior":
         """The prior for drafts found by a match in ``bucket`` (``match_bucket``): the proposal
-        exists, and its acceptance is the one measured after matches of that length (or after
-        contested matches)."""
-        if bucket == CONTESTED_BUCKET and self.contested is not None:
-            alpha_first, alpha = self.contested
-        elif not self.by_match_length:
+        exists, and its acceptance is the one measured after matches of that length."""
+        if not self.by_match_length:
             return self
-        else:
-            alpha_first, alpha = self.by_match_length[min(max(bucket, 1), len(self.by_match_length)) - 1]
-        return dataclasses.replace(self, alpha=alpha, alpha_first=alpha_first, p_first=1.0, by_match_length=(),
-                                   contested=None)
+        alpha_first, alpha = self.by_match_length[min(bucket, len(self.by_match_length)) - 1]
+        return dataclasses.replace(self, alpha=alpha, alpha_first=alpha_first, p_first=1.0, by_match_length=())
 
 
-# Buckets 1-3 are matches of 1-3 tokens; from 4 on they double: 4-7, 8-15, 16 and more. Bucket 0
-# holds contested matches of any length.
+# Buckets 1-3 are matches of 1-3 tokens; from 4 on they double: 4-7, 8-15, 16 and more.
 MAX_MATCH_BUCKET = 6
-CONTESTED_BUCKET = 0
 
 
-def match_bucket(match_length: int | None, contested: bool = False) -> int | None:
+def match_bucket(match_length: int | None) -> int | None:
     """Which acceptance belief a draft found by a ``match_length``-token lookup belongs to (None:
     no match length known, or no match, so the request's one belief for the proposer)."""
     if match_length is None or match_length <= 0:
         return None
-    if contested:
-        return CONTESTED_BUCKET
     return match_length if match_length <= 3 else min(1 + match_length.bit_length(), MAX_MATCH_BUCKET)
 
 
@@ -173,8 +159,8 @@ DEFAULT_PRIORS: Mapping[str, ProposerPrior] = MappingProxyType({
     # by_match_length, per match_bucket: measured by scripts/measure_match_acceptance.py
     # (SmolLM2-135M, greedy, 24 prompts per workload that the evaluation does not use).
     "ngram": ProposerPrior(alpha=0.7, p_first=0.6, p_continue=0.85, natural_k_exact_below=8, alpha_first=0.5,
-                           by_match_length=((0.28, 0.64), (0.56, 0.74), (0.7, 0.77), (0.78, 0.82), (0.87, 0.9),
-                                            (0.93, 0.94)), contested=(0.14, 0.66)),
+                           by_match_length=((0.2, 0.65), (0.5, 0.75), (0.65, 0.75), (0.73, 0.82), (0.87, 0.9),
+                                            (0.93, 0.94))),
     "suffix": ProposerPrior(alpha=0.7, p_first=0.6, p_continue=0.85, alpha_first=0.5),
 })
 

@@ -37,8 +37,8 @@ class _Tracked:
 
     pool_key: tuple[str, str, bool]  # (proposer, workload, greedy)
     # One acceptance belief per match-length bucket (planner/acceptance.py ``match_bucket``; None
-    # for drafts without a match length; 0 for contested matches): after a 1-token n-gram match a
-    # first draft is accepted ~20% of the time, after a 4-token one ~80%, and a request's drafts mix both.
+    # for drafts without a match length): after a 1-token n-gram match a first draft is accepted
+    # ~20% of the time, after a 4-token one ~80%, and a request's drafts mix both.
     by_match: dict[int | None, RequestAcceptance] = field(default_factory=dict)
     last_outcome: Outcome | None = None
     last_seen_step: int = 0
@@ -148,10 +148,9 @@ class Planner:
             t = self._requests[seq_id] = _Tracked((proposer, tag, greedy))
         return t
 
-    def acceptance(self, t: _Tracked, match_length: int | None, contested: bool = False) -> RequestAcceptance:
-        """A request's belief about drafts found by a ``match_length``-token lookup (``contested``:
-        other continuations followed the matched text before)."""
-        bucket = match_bucket(match_length, contested)
+    def acceptance(self, t: _Tracked, match_length: int | None) -> RequestAcceptance:
+        """A request's belief about drafts found by a ``match_length``-token lookup."""
+        bucket = match_bucket(match_length)
         acc = t.by_match.get(bucket)
         if acc is None:
             acc = t.by_match[bucket] = RequestAcceptance(self.pool(*t.pool_key, match=bucket))
@@ -174,7 +173,7 @@ class Planner:
         for rv in view.requests:
             t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
             t.last_seen_step = step
-            acc = self.acceptance(t, getattr(rv, "match_length", None), getattr(rv, "contested", False))
+            acc = self.acceptance(t, getattr(rv, "match_length", None))
             estimate = acc.estimate()
             available = getattr(rv, "available_drafts", None)  # proposed before deciding (n-gram, suffix)
             if available is not None:
@@ -216,7 +215,7 @@ class Planner:
         total_drafts = deepest = 0
         for rr in record.requests:
             t = self._tracked(rr.seq_id, rr.request_id, proposer)
-            acc = self.acceptance(t, getattr(rr, "match_length", None), getattr(rr, "contested", False))
+            acc = self.acceptance(t, getattr(rr, "match_length", None))
             acc.observe(rr.k, rr.num_proposed, rr.num_accepted, rr.natural_k)
             touched.add(acc.pool)
             if rr.k > 0:

@@ -3,9 +3,9 @@
 For each workload, 24 prompts the evaluation does not use (it draws 32 with seed 0) run greedy with
 SD off; each request's output is then replayed through a fresh n-gram proposer at every output
 length (specplan/clairvoyant.py ``replay``): its drafts against what the target really emitted
-next. Per match-length bucket (planner/acceptance.py ``match_bucket``; 0: contested matches), it prints the first
+next. Per match-length bucket (planner/acceptance.py ``match_bucket``), it prints the first
 draft's acceptance and each later draft's, given the ones before it were accepted: the numbers
-behind ``DEFAULT_PRIORS["ngram"].by_match_length`` and ``.contested``.
+behind ``DEFAULT_PRIORS["ngram"].by_match_length``.
 
 A measurement, not a benchmark: `.venv/bin/python scripts/measure_match_acceptance.py` from the
 repo root (about a minute); timing does not matter, so the machine need not be quiet.
@@ -33,8 +33,7 @@ def main() -> None:
             for r in steps:
                 if r.num_drafts == 0:
                     continue
-                bucket = match_bucket(r.match_length, r.contested)
-                for key in ((w, bucket), ("all", bucket)):
+                for key in ((w, match_bucket(r.match_length)), ("all", match_bucket(r.match_length))):
                     c = counts[key]
                     c[0] += 1
                     c[1] += r.accepted > 0

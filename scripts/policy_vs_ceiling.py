@@ -5,7 +5,7 @@ with SD off; the outputs are replayed through a fresh n-gram proposer (specplan/
 ``replay``), which gives, per request and output length, how many drafts the target would accept:
 what the ceiling asks for. Then the goodput policy runs the same requests, and every request-step
 it decided is set against that. Per match-length bucket (planner/acceptance.py ``match_bucket``;
-"none" = no match, 0 = contested matches), it prints:
+0 = no match), it prints:
 
     steps     request-steps the policy decided
     k         drafts it asked for, mean
@@ -36,7 +36,7 @@ MAX_TOKENS, MAX_K = 64, 8  # the evaluation's output length and k cap
 
 
 class RecordingDecider:
-    """Passes decide() and observe() through; keeps (request id, output length, match bucket, k)."""
+    """Passes decide() and observe() through; keeps (request id, output length, match length, k)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -44,8 +44,7 @@ class RecordingDecider:
 
     def decide(self, view: StepView) -> list[int]:
         ks = self.inner.decide(view)
-        self.decisions += [(rv.request_id, rv.num_output_tokens, match_bucket(rv.match_length, rv.contested), k)
-                           for rv, k in zip(view.requests, ks)]
+        self.decisions += [(rv.request_id, rv.num_output_tokens, rv.match_length, k) for rv, k in zip(view.requests, ks)]
         return ks
 
     def observe(self, record: StepRecord) -> None:
@@ -63,17 +62,17 @@ def main(batch: int, workloads: list[str]) -> None:
         decider = RecordingDecider(planner_from_profile(profile, "goodput", proposer="ngram", max_k=MAX_K))
         ev.run_cell(engine, prompts, decider, MAX_TOKENS, concurrency=batch)
         # bucket -> [steps, k, possible, taken, wasted, short]
-        sums: dict[int | None, list[int]] = defaultdict(lambda: [0] * 6)
-        for request_id, position, match, k in decider.decisions:
+        sums: dict[int, list[int]] = defaultdict(lambda: [0] * 6)
+        for request_id, position, match_length, k in decider.decisions:
             possible = table[ev._request_index(request_id)][position].accepted
-            for bucket in (match, -1):  # -1: all buckets
+            for bucket in (match_bucket(match_length) or 0, -1):  # -1: all buckets
                 row = sums[bucket]
                 for j, value in enumerate((1, k, possible, min(k, possible), max(0, k - possible), k < possible)):
                     row[j] += value
-        for bucket in sorted(sums, key=lambda b: (b is not None, b is not None and b < 0, b or 0)):
+        for bucket in sorted(sums, key=lambda b: (b < 0, b)):
             steps, *rest = sums[bucket]
             k, possible, taken, wasted, short = (x / steps for x in rest)
-            name = "none" if bucket is None else "all" if bucket < 0 else str(bucket)
+            name = "all" if bucket < 0 else str(bucket)
             print(f"{workload:9s} {name:>6s} {steps:6d} {k:5.2f} {possible:9.2f} {taken:6.2f} {wasted:7.2f} {short:6.2f}",
                   flush=True)
 

@@ -44,7 +44,6 @@ class Replayed:
     """One request at one output length, replayed through the proposer against the reference."""
 
     match_length: int  # what the proposer reported (0: no match)
-    contested: bool  # what the proposer reported (DraftTokens.contested)
     num_drafts: int  # drafts it proposed, cut where the reference output ends (those can be judged)
     accepted: int  # of those, how many equal the reference from here on
 
@@ -67,8 +66,7 @@ def replay(proposer: Proposer, prompts: Seq[Seq[int]], outputs: Seq[Seq[int]], m
             n = 0
             while n < len(future) and drafts[n] == future[n]:
                 n += 1
-            steps.append(Replayed((proposal.match_length or [0])[0], bool((proposal.contested or [False])[0]),
-                                  len(future), n))
+            steps.append(Replayed((proposal.match_length or [0])[0], len(future), n))
             seq.token_ids.append(output[p])
         proposer.on_finished(seq)
         table.append(steps)

@@ -611,10 +611,6 @@ def test_match_buckets():
     assert len(prior.by_match_length) == MAX_MATCH_BUCKET  # a measured prior for every bucket
     assert prior.for_match(2).p_first == 1.0  # a match means there is a proposal
     assert default_prior("draft").for_match(3) == default_prior("draft")  # no match lengths: one belief
-    # A contested match has one bucket whatever its length, priced below every uncontested one.
-    assert [match_bucket(m, contested=True) for m in (None, 0, 1, 4, 20)] == [None, None, 0, 0, 0]
-    assert prior.for_match(0).alpha_first < firsts[0] and prior.for_match(0).p_first == 1.0
-    assert default_prior("suffix").for_match(0) == default_prior("suffix")  # it reports no contest
 
 
 def test_planner_learns_acceptance_per_match_length():
@@ -650,31 +646,6 @@ def test_planner_learns_acceptance_per_match_length():
         blurred.observe(dataclasses.replace(rec, requests=(dataclasses.replace(rec.requests[0], match_length=None),)))
     blurred.decide(view(1))
     assert 0.3 < blurred.last_state.requests[0].acceptance.alpha_first < 0.7
-
-
-def test_planner_prices_contested_matches_apart():
-    # The same 2-token match, contested or not: the contested one starts from a prior ~4x lower;
-    # what it then shows (always accepted) is learned in its own belief only.
-    latency = RidgeLatency(a=0.03, b=0.003)
-    planner = Planner("goodput", latency)
-
-    def shown(contested: bool) -> StepView:
-        return StepView((RequestView(0, "r0", 500, 10, 8, True, 8, 2, contested),), 0, 0, 500, "ngram")
-
-    planner.decide(shown(False))
-    assert planner.last_state.requests[0].acceptance.alpha_first > 0.5
-    planner.decide(shown(True))
-    assert planner.last_state.requests[0].acceptance.alpha_first < 0.2
-    for _ in range(30):
-        k = max(planner.decide(shown(True))[0], 2)
-        forward_s = latency.predict(StepShape(1, 1 + k, 500 + k))
-        planner.observe(StepRecord((RequestRecord(0, "r0", k, k, k, k + 1, natural_k=8, match_length=2,
-                                                  contested=True),), 1, 1 + k, 0, 500 + k, 0.0, forward_s, 0.0,
-                                   forward_s + 0.001))
-    planner.decide(shown(True))
-    assert planner.last_state.requests[0].acceptance.alpha_first > 0.8
-    planner.decide(shown(False))
-    assert planner.last_state.requests[0].acceptance.alpha_first < 0.7  # untouched by the contested outcomes
 
 
 def test_planner_feeds_the_heuristic_its_last_outcomes():

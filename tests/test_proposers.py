@@ -130,28 +130,6 @@ def test_ngram_match_length_follows_the_match_back():
         NgramProposer(max_n=4, max_match_length=3)
 
 
-def test_ngram_reports_contested_matches():
-    # The docstring's example: 5 was followed by 7 (at 1) and by 8 (at 4); the draft is 8, once.
-    p = NgramProposer()
-    d = p.propose([make_seq([5, 7, 1, 5, 8, 2, 5], 0), make_seq([5, 8, 1, 5, 8, 2, 5], 1),
-                   make_seq([5, 8, 1, 2, 5], 2), make_seq([1, 2, 3], 3)], [2, 2, 2, 2])
-    assert d.token_ids == [[8, 2], [8, 2], [8, 1], []]
-    assert d.contested == [True, False, False, False]  # both agree / one occurrence / no match
-    assert d.truncated([1, 1, 1, 1]).contested == d.contested
-    # Three earlier occurrences, two followed by the drafted 9: not contested; once by it: contested.
-    assert p.propose([make_seq([4, 9, 4, 9, 4, 6, 4], 4)], [1]).contested == [True]
-    assert p.propose([make_seq([4, 6, 4, 9, 4, 9, 4], 5)], [1]).contested == [False]
-    # The counts follow appended tokens: 5 -> 8 again makes the next lookup of 5 agree (8 twice, 7 once).
-    seq = make_seq([5, 7, 1, 5, 8, 2, 5], 6)
-    assert p.propose([seq], [1]).contested == [True]
-    seq.token_ids.extend([8, 3, 5])
-    d = p.propose([seq], [1])
-    assert d.token_ids == [[8]] and d.contested == [False]
-    seq.token_ids.extend([6, 4, 5])  # now the most recent 5 drafts 6, seen once among four: contested
-    d = p.propose([seq], [1])
-    assert d.token_ids == [[6]] and d.contested == [True]
-
-
 def test_ngram_natural_k_is_capped():
     toks = list(range(30)) + [0, 1, 2]
     d = NgramProposer(max_natural_k=8).propose([make_seq(toks)], [4])

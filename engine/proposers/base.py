@@ -67,10 +67,6 @@ class DraftTokens:
     # match); None for proposers without one. Longer matches are accepted more often (n-gram on
     # SmolLM2-135M: the first draft 21% of the time after a 1-token match, 81% after a 4-token one).
     match_length: list[int] | None = None
-    # Per request, whether the match is contested: the matched text was followed by other tokens
-    # at every earlier occurrence but the one drafted from (n-gram: first drafts accepted 12-33%
-    # of the time then, at any match length); None for proposers that do not tell.
-    contested: list[bool] | None = None
     seconds: float = 0.0  # wall time spent proposing
 
     def num_drafts(self, i: int) -> int:
@@ -87,8 +83,7 @@ class DraftTokens:
             [None if q is None else q[:ki] for q, ki in zip(self.draft_probs, k, strict=True)],
             trees=None if self.trees is None else
             [None if t is None else t.prefix(ki) for t, ki in zip(self.trees, k, strict=True)],
-            natural_k=self.natural_k, match_length=self.match_length, contested=self.contested,
-            seconds=self.seconds)
+            natural_k=self.natural_k, match_length=self.match_length, seconds=self.seconds)
 
 
 @runtime_checkable

@@ -9,20 +9,9 @@ It also reports the match length: n, followed further back while the tokens befo
 with those before ``L - n`` (up to ``max_match_length``). Only an n = max_n match can extend. The
 planner prices drafts by it: a long match is a passage being copied.
 
-And it reports whether the match is **contested**: the matched n-gram occurred at least twice
-before, and the token it drafts (what followed the most recent occurrence) followed none of the
-others. The text then does not settle what comes next, and the draft is a coin toss among
-continuations: on SmolLM2-135M, greedy, such a first draft is accepted 12-33% of the time
-whatever the match length, against 28-89% for an uncontested one of the same length
-(scripts/measure_match_acceptance.py).
-Worked example: toks = [5, 7, 1, 5, 8, 2, 5], L = 7. The 1-gram (5) ends earlier at e = 1 and
-e = 4 (the 2-gram (2, 5) never did); the most recent, e = 4, drafts toks[4] = 8. That 5 was also
-followed by 7 (at e = 1), and 8 followed it once: contested. Had toks[1] been 8, the two
-occurrences would agree and the match would not be contested.
-
 Cost: each sequence keeps an incremental index ``n-gram -> most recent end position`` that is
 updated only with the tokens appended since the previous call (``max_n - min_n + 1`` dict writes
-per new token, and as many counter updates for the contest), so one lookup is at most ``max_n - min_n + 1`` dict reads whatever the context
+per new token), so one lookup is at most ``max_n - min_n + 1`` dict reads whatever the context
 length, plus at most ``max_match_length`` comparisons for the match length. The index is keyed by
 ``seq_id`` and dropped in :meth:`NgramProposer.on_finished`.
 """
@@ -72,16 +61,13 @@ class TokenMirror:
 
 
 class _NgramState:
-    __slots__ = ("mirror", "index", "occurrences", "followers", "indexed_end")
+    __slots__ = ("mirror", "index", "indexed_end")
 
     def __init__(self) -> None:
         self.mirror = TokenMirror()
         # (token, ..., token) -> the most recent end position e (exclusive) with t[e-n:e] == key,
         # for every e <= indexed_end. The current end L is never indexed, so a hit is "earlier".
         self.index: dict[tuple[int, ...], int] = {}
-        # Over the same ends: key -> how many there are; key + (t[e],) -> how many were followed by t[e].
-        self.occurrences: dict[tuple[int, ...], int] = {}
-        self.followers: dict[tuple[int, ...], int] = {}
         self.indexed_end = 0
 
 
@@ -118,16 +104,11 @@ class NgramProposer:
 
     def _index_upto(self, st: _NgramState, last_end: int) -> None:
         """Index the n-grams ending at positions indexed_end+1 .. last_end."""
-        toks, index, occurrences, followers = st.mirror.toks, st.index, st.occurrences, st.followers
+        toks, index = st.mirror.toks, st.index
         lo_n, hi_n = self.min_n, self.max_n
         for e in range(st.indexed_end + 1, last_end + 1):
-            nxt = (toks[e],)  # exists: last_end < len(toks)
             for n in range(lo_n, min(hi_n, e) + 1):
-                key = tuple(toks[e - n:e])
-                index[key] = e
-                occurrences[key] = occurrences.get(key, 0) + 1
-                followed = key + nxt
-                followers[followed] = followers.get(followed, 0) + 1
+                index[tuple(toks[e - n:e])] = e
         if last_end > st.indexed_end:
             st.indexed_end = last_end
 
@@ -152,25 +133,19 @@ class NgramProposer:
         out: list[list[int]] = []
         natural: list[int] = []
         matched: list[int] = []
-        contested: list[bool] = []
         for seq, ki in zip(seqs, k):
             n, e = self.match(seq) if ki > 0 else (0, -1)
             if n == 0:
                 out.append([])
                 natural.append(0)
                 matched.append(0)
-                contested.append(False)
                 continue
-            st = self._states[seq.seq_id]
-            toks = st.mirror.toks
+            toks = self._states[seq.seq_id].mirror.toks
             available = len(toks) - e  # >= 1: e <= L - 1
             out.append(toks[e:e + ki])
             natural.append(min(available, self.max_natural_k))
             matched.append(self._match_length(toks, n, e))
-            key = tuple(toks[len(toks) - n:])
-            contested.append(st.occurrences[key] >= 2 and st.followers[key + (toks[e],)] == 1)
-        return DraftTokens(token_ids=out, natural_k=natural, match_length=matched, contested=contested,
-                           seconds=time.perf_counter() - t0)
+        return DraftTokens(token_ids=out, natural_k=natural, match_length=matched, seconds=time.perf_counter() - t0)
 
     def _match_length(self, toks: list[int], n: int, e: int) -> int:
         """The matched n-gram followed further back: how many trailing tokens agree with the ones
