@@ -1,0 +1,77 @@
+"""Offline: how much any policy that picks k from the n-gram match length can earn, next to the
+best single k and the clairvoyant ceiling, under a linear row cost. No timing, so the machine
+need not be quiet.
+
+Held-out prompts (as scripts/measure_match_acceptance.py: 24 per workload the evaluation does not
+use) run greedy with SD off and are replayed through the n-gram proposer. A request-step with k
+drafts then emits 1 + min(k, drafts, accepted) tokens and costs 1 + c * min(k, drafts) (c: one
+row's cost as a share of a request's part of a step). c = 0.045 is a B=1 step here (a draft costs
+3.5-6% of one: the engine grid, and static k=8 vs k=4 in reports/evaluation-r5); 0.16 only shows
+the trend as rows get dearer. The linear model is for B=1 and small B: compute-bound steps (B=16
+and up) do not cost linearly per row (reports/evaluation-clairvoyant reads the ceiling level with
+off there). Per workload and c it prints tokens per unit cost for: the best single k, the best k per
+match-length bucket (planner/acceptance.py ``match_bucket``), both chosen in hindsight, and the
+clairvoyant (k = accepted), with the last two as ratios to the first. The per-bucket value bounds
+what one k per bucket can buy, which is how the planner prices drafts (its per-request evidence
+on top can move a request within its bucket); the clairvoyant's needs each step's outcome.
+
+`.venv/bin/python scripts/bucket_hindsight.py` from the repo root (about a minute).
+"""
+from collections import defaultdict
+
+from specplan import evaluate as ev
+from specplan.clairvoyant import replay
+from specplan.engine.loader import load_model
+from specplan.engine.proposers.ngram import NgramProposer
+from specplan.planner.acceptance import match_bucket
+from specplan.profiler.workloads import load_workload
+
+PROMPTS, MAX_TOKENS, MAX_K = 24, 64, 8
+ROW_COSTS = (0.045, 0.16)
+
+
+def rate(steps, k_of) -> float:
+    """Tokens per unit cost when a request-step (bucket, drafts, accepted) gets k_of(bucket) drafts."""
+    tokens = cost = 0.0
+    for bucket, drafts, accepted, c in steps:
+        k = min(k_of(bucket), drafts)
+        tokens += 1 + min(k, accepted)
+        cost += 1 + c * k
+    return tokens / cost
+
+
+def best_per_bucket(steps) -> float:
+    """max over k per bucket of total tokens / total cost (Dinkelbach: a ratio of sums)."""
+    by_bucket = defaultdict(list)
+    for s in steps:
+        by_bucket[s[0]].append(s)
+    value = 1.0
+    for _ in range(30):
+        ks = {b: max(range(MAX_K + 1), key=lambda k: sum(1 + min(k, d, a) - value * (1 + c * min(k, d))
+                                                         for _, d, a, c in group))
+              for b, group in by_bucket.items()}
+        value = rate(steps, ks.__getitem__)
+    return value
+
+
+def main() -> None:
+    loaded = load_model(None)
+    engine = ev._engine(loaded, "ngram", PROMPTS, draft_layers=8)
+    print("workload      c  best k  per bucket  clairvoyant  bucket/k  clairvoyant/k")
+    for w in ev.WORKLOADS:
+        used = {tuple(p.render(loaded.tokenizer)) for p in load_workload(w, 32, 0)}
+        held_out = [ids for p in load_workload(w) if tuple(ids := p.render(loaded.tokenizer)) not in used][:PROMPTS]
+        reference = ev.run_cell(engine, held_out, ev.FixedDecider(0), MAX_TOKENS, concurrency=PROMPTS)["outputs"]
+        replayed = [r for steps in replay(NgramProposer(), held_out, reference, MAX_K) for r in steps]
+        for c in ROW_COSTS:
+            steps = [(match_bucket(r.match_length), r.num_drafts, r.accepted, c) for r in replayed]
+            static = max(rate(steps, lambda b, k=k: k) for k in range(MAX_K + 1))
+            bucketed = best_per_bucket(steps)
+            # the clairvoyant's "bucket" is the step's accepted length, and it asks for exactly that
+            clairvoyant = rate([(r.accepted, r.num_drafts, r.accepted, c) for r in replayed], lambda b: b)
+            print(f"{w:10s} {c:5.3f}  {static:6.3f}  {bucketed:10.3f}  {clairvoyant:11.3f}  {bucketed / static:8.3f}"
+                  f"  {clairvoyant / static:13.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
