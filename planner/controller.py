@@ -76,14 +76,9 @@ class Planner:
         self.drift = DriftCorrection(drift)
         self.latency = DriftCorrectedLatency(latency, self.drift) if latency is not None else None
         self.draft_slope = DraftSlope(draft_slope)
-        # None: the policy sees each request's posterior as is (planner/calibration.py). One
-        # calibration per match bucket, as the beliefs are: long matches often yield more than
-        # their posterior says and short ones less, and one factor over both would move every
-        # short match's price by what the long ones did (a factor of 0.62-1.19 within one B=1 cell).
-        self.calibration_config = calibration
-        self._calibrations: dict[int | None, AcceptanceCalibration] = {}
-        # seq_id -> (match bucket, last decided draft gains, uncalibrated)
-        self._chosen_gains: dict[int, tuple[int | None, tuple[float, ...]]] = {}
+        # None: the policy sees each request's posterior as is (planner/calibration.py).
+        self.calibration = AcceptanceCalibration(calibration) if calibration is not None else None
+        self._chosen_gains: dict[int, tuple[float, ...]] = {}  # seq_id -> last decided draft gains, uncalibrated
         self.roofline = roofline
         missing = [f for f in self.policy.requires if getattr(self, f, None) is None]
         if missing:
@@ -153,17 +148,9 @@ class Planner:
             t = self._requests[seq_id] = _Tracked((proposer, tag, greedy))
         return t
 
-    def calibration_for(self, bucket: int | None) -> AcceptanceCalibration | None:
-        """The calibration of drafts found by matches in ``bucket`` (None: calibration is off)."""
-        if self.calibration_config is None:
-            return None
-        c = self._calibrations.get(bucket)
-        if c is None:
-            c = self._calibrations[bucket] = AcceptanceCalibration(self.calibration_config)
-        return c
-
-    def acceptance(self, t: _Tracked, bucket: int | None) -> RequestAcceptance:
-        """A request's belief about drafts found by a lookup match in ``bucket`` (``match_bucket``)."""
+    def acceptance(self, t: _Tracked, match_length: int | None) -> RequestAcceptance:
+        """A request's belief about drafts found by a ``match_length``-token lookup."""
+        bucket = match_bucket(match_length)
         acc = t.by_match.get(bucket)
         if acc is None:
             acc = t.by_match[bucket] = RequestAcceptance(self.pool(*t.pool_key, match=bucket))
@@ -182,21 +169,18 @@ class Planner:
         proposer = self.proposer or view.proposer
         planner_cap = self.max_k
         step = self._step
-        reqs, raw_estimates, buckets = [], [], []
+        reqs, raw_estimates = [], []
         for rv in view.requests:
             t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
             t.last_seen_step = step
-            bucket = match_bucket(getattr(rv, "match_length", None))
-            acc = self.acceptance(t, bucket)
+            acc = self.acceptance(t, getattr(rv, "match_length", None))
             estimate = acc.estimate()
             available = getattr(rv, "available_drafts", None)  # proposed before deciding (n-gram, suffix)
             if available is not None:
                 estimate = estimate.given_available(available)
             raw_estimates.append(estimate)
-            buckets.append(bucket)
-            calibration = self.calibration_for(bucket)
-            if calibration is not None:
-                estimate = calibration.apply(estimate)
+            if self.calibration is not None:
+                estimate = self.calibration.apply(estimate)
             reqs.append(RequestState(rv.seq_id, rv.request_id, max(0, min(rv.max_k, planner_cap)), rv.num_tokens,
                                      estimate, t.last_outcome, acc.steps_observed, rv.greedy,
                                      pool_evidence=acc.pool.evidence))
@@ -216,8 +200,8 @@ class Planner:
         if len(ks) != num_decodes:
             raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")
         ks = [max(0, min(int(k), r.max_k)) for k, r in zip(ks, reqs)]
-        if self.calibration_config is not None:
-            self._chosen_gains = {r.seq_id: (b, e.gains) for r, e, b, k in zip(reqs, raw_estimates, buckets, ks) if k}
+        if self.calibration is not None:
+            self._chosen_gains = {r.seq_id: e.gains for r, e, k in zip(reqs, raw_estimates, ks) if k}
         self.last_state = state
         self.num_decisions += num_decodes
         self.num_zero_decisions += ks.count(0)
@@ -231,14 +215,13 @@ class Planner:
         total_drafts = deepest = 0
         for rr in record.requests:
             t = self._tracked(rr.seq_id, rr.request_id, proposer)
-            acc = self.acceptance(t, match_bucket(getattr(rr, "match_length", None)))
+            acc = self.acceptance(t, getattr(rr, "match_length", None))
             acc.observe(rr.k, rr.num_proposed, rr.num_accepted, rr.natural_k)
             touched.add(acc.pool)
             if rr.k > 0:
-                chosen = self._chosen_gains.get(rr.seq_id)  # empty without calibration
-                if chosen is not None:
-                    bucket, gains = chosen
-                    self.calibration_for(bucket).observe(sum(gains[:rr.k]), rr.num_accepted)
+                gains = self._chosen_gains.get(rr.seq_id)  # empty without calibration
+                if gains is not None:
+                    self.calibration.observe(sum(gains[:rr.k]), rr.num_accepted)
                 t.last_outcome = Outcome(rr.k, rr.num_proposed, rr.num_accepted)
                 total_drafts += rr.k
                 deepest = max(deepest, rr.k)

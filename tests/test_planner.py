@@ -950,26 +950,5 @@ def test_planner_calibrates_what_its_chosen_drafts_promise():
     _, raw_ratio = run(None)
     planner, calibrated_ratio = run(CalibrationConfig())
     assert raw_ratio < 0.88  # uncalibrated, the chosen drafts yield well under what they promise
-    assert 0.5 < planner.calibration_for(None).factor < 0.95  # no match lengths: one calibration
+    assert 0.5 < planner.calibration.factor < 0.95
     assert calibrated_ratio == pytest.approx(1.0, abs=0.05)
-
-
-def test_calibration_is_kept_per_match_bucket():
-    """Drafts after 16-token matches yield more than their posterior expects: their bucket's factor
-    rises, and the price of drafts after 1-token matches stays where their own belief puts it."""
-    latency = RidgeLatency(a=0.03, b=0.0006, ridge_tokens=4)
-    planner = Planner("goodput", latency)
-
-    def shown(match: int) -> StepView:
-        return StepView((RequestView(0, "r0", 500, 10, 8, True, 8, match),), 0, 0, 500, "ngram")
-
-    for _ in range(40):
-        k = max(planner.decide(shown(16))[0], 4)
-        forward_s = latency.predict(StepShape(1, 1 + k, 500 + k))
-        planner.observe(StepRecord((RequestRecord(0, "r0", k, k, k, k + 1, natural_k=8, match_length=16),),
-                                   1, 1 + k, 0, 500 + k, 0.0, forward_s, 0.0, forward_s + 0.001))
-    assert planner.calibration_for(match_bucket(16)).factor > 1.0
-    assert planner.calibration_for(match_bucket(1)).factor == 1.0  # nothing drafted there yet
-    planner.decide(shown(1))
-    prior = default_prior("ngram").for_match(1)
-    assert planner.last_state.requests[0].acceptance.alpha_first == pytest.approx(prior.alpha_first, abs=0.02)
