@@ -21,6 +21,7 @@ from collections import defaultdict
 
 from specplan import evaluate as ev
 from specplan.clairvoyant import replay
+from specplan.engine.decider import FixedDecider
 from specplan.engine.loader import load_model
 from specplan.engine.proposers.ngram import NgramProposer
 from specplan.planner.acceptance import match_bucket
@@ -61,7 +62,7 @@ def main() -> None:
     for w in ev.WORKLOADS:
         used = {tuple(p.render(loaded.tokenizer)) for p in load_workload(w, 32, 0)}
         held_out = [ids for p in load_workload(w) if tuple(ids := p.render(loaded.tokenizer)) not in used][:PROMPTS]
-        reference = ev.run_cell(engine, held_out, ev.FixedDecider(0), MAX_TOKENS, concurrency=PROMPTS)["outputs"]
+        reference = ev.run_cell(engine, held_out, FixedDecider(0), MAX_TOKENS, concurrency=PROMPTS)["outputs"]
         replayed = [r for steps in replay(NgramProposer(), held_out, reference, MAX_K) for r in steps]
         for c in ROW_COSTS:
             steps = [(match_bucket(r.match_length), r.num_drafts, r.accepted, c) for r in replayed]
