@@ -10,14 +10,19 @@ row's cost as a share of a request's part of a step). c = 0.045 is a B=1 step he
 the trend as rows get dearer. The linear model is for B=1 and small B: compute-bound steps (B=16
 and up) do not cost linearly per row (reports/evaluation-clairvoyant reads the ceiling level with
 off there). Per workload and c it prints tokens per unit cost for: the best single k, the best k per
-match-length bucket (planner/acceptance.py ``match_bucket``), both chosen in hindsight, and the
-clairvoyant (k = accepted), with the last two as ratios to the first. The per-bucket value bounds
+match-length bucket (planner/acceptance.py ``match_bucket``), both chosen in hindsight, the best k
+per bucket split again by how sure the target was of the last committed token (its top
+probability above 0.9 or not: known before the step, from the step before), and the clairvoyant
+(k = accepted), with ratios to the best single k. The per-bucket value bounds
 what one k per bucket can buy, which is how the planner prices drafts (its per-request evidence
 on top can move a request within its bucket); the clairvoyant's needs each step's outcome.
 
-`.venv/bin/python scripts/bucket_hindsight.py` from the repo root (about a minute).
+`.venv/bin/python scripts/bucket_hindsight.py` from the repo root (about two minutes).
 """
 from collections import defaultdict
+
+import torch
+from transformers import AutoModelForCausalLM
 
 from specplan import evaluate as ev
 from specplan.clairvoyant import replay
@@ -55,23 +60,37 @@ def best_per_bucket(steps) -> float:
     return value
 
 
+def last_token_confidence(model, prompt: list[int], output: list[int]) -> list[float]:
+    """Per output length p: the target's probability of the last committed token's argmax when
+    it produced that token (position len(prompt) + p - 2 of prompt + output)."""
+    with torch.inference_mode():
+        probs = torch.softmax(model(torch.tensor([prompt + output])).logits[0].float(), -1)  # [L, V]
+    top = probs.max(-1).values  # [L]
+    return [top[len(prompt) + p - 2].item() for p in range(len(output))]
+
+
 def main() -> None:
     loaded = load_model(None)
     engine = ev._engine(loaded, "ngram", PROMPTS, draft_layers=8)
-    print("workload      c  best k  per bucket  clairvoyant  bucket/k  clairvoyant/k")
+    hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+    print("workload      c  best k  per bucket  +confidence  clairvoyant  bucket/k  +confidence/k  clairvoyant/k")
     for w in ev.WORKLOADS:
         used = {tuple(p.render(loaded.tokenizer)) for p in load_workload(w, 32, 0)}
         held_out = [ids for p in load_workload(w) if tuple(ids := p.render(loaded.tokenizer)) not in used][:PROMPTS]
         reference = ev.run_cell(engine, held_out, FixedDecider(0), MAX_TOKENS, concurrency=PROMPTS)["outputs"]
-        replayed = [r for steps in replay(NgramProposer(), held_out, reference, MAX_K) for r in steps]
+        table = replay(NgramProposer(), held_out, reference, MAX_K)
+        replayed = [r for steps in table for r in steps]
+        sure = [top > 0.9 for prompt, output in zip(held_out, reference)
+                for top in last_token_confidence(hf, list(prompt), list(output))]
         for c in ROW_COSTS:
             steps = [(match_bucket(r.match_length), r.num_drafts, r.accepted, c) for r in replayed]
             static = max(rate(steps, lambda b, k=k: k) for k in range(MAX_K + 1))
             bucketed = best_per_bucket(steps)
+            by_confidence = best_per_bucket([((b, s), d, a, c) for (b, d, a, c), s in zip(steps, sure, strict=True)])
             # the clairvoyant's "bucket" is the step's accepted length, and it asks for exactly that
             clairvoyant = rate([(r.accepted, r.num_drafts, r.accepted, c) for r in replayed], lambda b: b)
-            print(f"{w:10s} {c:5.3f}  {static:6.3f}  {bucketed:10.3f}  {clairvoyant:11.3f}  {bucketed / static:8.3f}"
-                  f"  {clairvoyant / static:13.3f}", flush=True)
+            print(f"{w:10s} {c:5.3f}  {static:6.3f}  {bucketed:10.3f}  {by_confidence:11.3f}  {clairvoyant:11.3f}"
+                  f"  {bucketed / static:8.3f}  {by_confidence / static:13.3f}  {clairvoyant / static:13.3f}", flush=True)
 
 
 if __name__ == "__main__":
