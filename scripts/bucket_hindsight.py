@@ -25,12 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specplan import evaluate as ev
-from specplan.clairvoyant import replay
-from specplan.engine.decider import FixedDecider
 from specplan.engine.loader import load_model
-from specplan.engine.proposers.ngram import NgramProposer
 from specplan.planner.acceptance import match_bucket
-from specplan.profiler.workloads import load_workload
 
 PROMPTS, MAX_TOKENS, MAX_K = 24, 64, 8
 ROW_COSTS = (0.045, 0.16)
@@ -75,10 +71,8 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
     print("workload      c  best k  per bucket  +confidence  clairvoyant  bucket/k  +confidence/k  clairvoyant/k")
     for w in ev.WORKLOADS:
-        used = {tuple(p.render(loaded.tokenizer)) for p in load_workload(w, 32, 0)}
-        held_out = [ids for p in load_workload(w) if tuple(ids := p.render(loaded.tokenizer)) not in used][:PROMPTS]
-        reference = ev.run_cell(engine, held_out, FixedDecider(0), MAX_TOKENS, concurrency=PROMPTS)["outputs"]
-        table = replay(NgramProposer(), held_out, reference, MAX_K)
+        held_out = ev.held_out_prompts(loaded.tokenizer, w, PROMPTS)
+        reference, table = ev.replayed_reference(engine, held_out, MAX_TOKENS, concurrency=PROMPTS)
         replayed = [r for steps in table for r in steps]
         sure = [top > 0.9 for prompt, output in zip(held_out, reference)
                 for top in last_token_confidence(hf, list(prompt), list(output))]

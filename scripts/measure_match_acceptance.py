@@ -15,7 +15,6 @@ from collections import defaultdict
 from specplan import evaluate as ev
 from specplan.engine.loader import load_model
 from specplan.planner.acceptance import match_bucket
-from specplan.profiler.workloads import load_workload
 
 PROMPTS, MAX_TOKENS = 24, 64
 
@@ -26,8 +25,7 @@ def main() -> None:
     # (workload or "all", bucket) -> [first drafts judged, accepted, later drafts judged, accepted]
     counts: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for w in ev.WORKLOADS:
-        used = {tuple(p.render(loaded.tokenizer)) for p in load_workload(w, 32, 0)}
-        held_out = [ids for p in load_workload(w) if tuple(ids := p.render(loaded.tokenizer)) not in used][:PROMPTS]
+        held_out = ev.held_out_prompts(loaded.tokenizer, w, PROMPTS)
         _, replayed = ev.replayed_reference(engine, held_out, MAX_TOKENS, concurrency=PROMPTS)
         for steps in replayed:
             for r in steps:

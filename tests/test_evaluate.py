@@ -280,3 +280,20 @@ def test_summary_and_report_give_geomean_intervals(tmp_path):
     text = render_evaluation(pd.concat([df, top], ignore_index=True), tmp_path, "test").read_text()
     assert f"({'yes' if s['policies']['goodput']['pass_geomean'] else 'no'}; {lo:.3f}-{hi:.3f})" in text
     assert "of resamples)" in text
+
+
+def test_held_out_prompts_avoid_the_evaluation_pool():
+    import specplan.evaluate as ev
+    from specplan.profiler.workloads import load_workload
+
+    class Bytes:  # a tokenizer stand-in: one id per UTF-8 byte of the prompt's text
+        chat_template = None
+
+        def encode(self, text, add_special_tokens=True):
+            return list(text.encode())
+
+    tok = Bytes()
+    held = ev.held_out_prompts(tok, "gsm8k", 24)
+    used = {tuple(p.render(tok)) for p in load_workload("gsm8k", ev.EVALUATION_POOL, 0)}
+    assert len(held) == 24 and len({tuple(h) for h in held}) == 24
+    assert not used & {tuple(h) for h in held}
