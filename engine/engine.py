@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .decider import FixedDecider, RequestRecord, SpecDecider, StepRecord
-from .loader import LoadedModel, load_model
+from .model.loader import LoadedModel, load_model
 from .metrics import SpecStats
-from .model import Model
+from .model.transformer import Model
 from .model_runner import ModelRunner, ScheduledSeq, allocate_kv_cache, kv_bytes_per_block
+from .proposers.base import Proposer
+from .proposers.draft_model import DraftModelProposer
 from .proposers.factory import make_draft_model, make_proposer
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculation import Speculator, verify
+from .spec_decode.speculator import Speculator
+from .spec_decode.verifier import verify
 
 
 class RequestError(ValueError):
@@ -130,6 +133,40 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    # ---- the door for harnesses (evaluation, profiling): swap parts between runs ------------
+    def set_decider(self, decider: SpecDecider) -> None:
+        """Who picks k per request from the next step on (needs speculation enabled)."""
+        self._require_speculation("a decider")
+        self.speculator.decider = decider
+
+    def set_proposer(self, proposer: Proposer | None = None) -> None:
+        """Drafts come from ``proposer`` from the next step on; None: a fresh proposer of the
+        configured kind (a suffix cache or a draft's KV state filled by one run never helps the next)."""
+        self._require_speculation("a proposer")
+        if proposer is None:
+            spec = self.config.spec
+            old = self.speculator.proposer
+            draft = old.draft if isinstance(old, DraftModelProposer) else None
+            if draft is None:
+                draft = make_draft_model(spec, self.model, self.config)
+            proposer = make_proposer(spec, draft, self.runner, self.block_manager, self.default_generator)
+        self.speculator.proposer = proposer
+
+    def set_max_num_seqs(self, max_num_seqs: int) -> None:
+        """How many sequences may run at once (the batch size of closed-loop runs)."""
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.scheduler.config = replace(self.scheduler.config, max_num_seqs=max_num_seqs)
+
+    def reset_stats(self) -> SpecStats:
+        """Start counting speculation statistics afresh; returns the counts so far."""
+        old, self.stats = self.stats, SpecStats()
+        return old
+
+    def _require_speculation(self, what: str) -> None:
+        if self.speculator is None:
+            raise ValueError(f"{what} needs an engine built with speculation enabled (EngineConfig.spec)")
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Sequence]:

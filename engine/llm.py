@@ -12,7 +12,7 @@ from rich.progress import Progress
 from .config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from .decider import SpecDecider
 from .engine import LLMEngine, RequestOutput
-from .loader import LoadedModel
+from .model.loader import LoadedModel
 from .sampling import SamplingParams
 
 

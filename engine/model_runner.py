@@ -13,9 +13,9 @@ import torch
 from .batch import TokenBatch
 from .block_manager import BlockManager
 from .config import ModelConfig
-from .huge_pages import huge_page_zeros
-from .model import Model
-from .proposers.base import DraftTree
+from .model.huge_pages import huge_page_zeros
+from .model.transformer import Model
+from .drafts import DraftTree
 from .sequence import Sequence
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_kernels
+from .model import cpu_kernels
 
 
 @dataclass(frozen=True)

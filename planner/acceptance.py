@@ -6,7 +6,7 @@ Two things decide what k drafts are worth, and both are learned here from ``Requ
   the proposer produced one there and every earlier draft was accepted. Verification stops at the
   first rejection, so the positions after it were never judged. Two numbers, with a Beta prior
   each: ``alpha_first`` for the first draft and ``alpha`` for every later one (the alpha of
-  DESIGN.md §5 when the two are equal). They differ a lot for lookup proposers: a first n-gram
+  docs/design.md §5 when the two are equal). They differ a lot for lookup proposers: a first n-gram
   draft is a guess about whether the text repeats, a later one follows a match that has held so
   far. Measured on the four workloads (ngram, k = 6, 8 requests each): the first draft is accepted
   31-42% of the time, each later one 60-85%. One geometric alpha would price the first draft too

@@ -1,4 +1,4 @@
-"""The goodput model of DESIGN.md §5: expected emitted tokens over the time a step costs.
+"""The goodput model of docs/design.md §5: expected emitted tokens over the time a step costs.
 
 A step that gives request i k_i drafts emits ``sum_i E_i(k_i)`` tokens and costs the target's
 forward + verify time (from the profile's latency model, for the whole batch: decodes with their

@@ -18,7 +18,7 @@ from .base import PolicyState
 
 @dataclass(frozen=True)
 class LinearRoofline:
-    """Step FLOPs and bytes linear in the step's aggregates (DESIGN.md §5's accounting):
+    """Step FLOPs and bytes linear in the step's aggregates (docs/design.md §5's accounting):
 
     flops = flops_per_token * num_tokens + attention_flops * num_tokens * (context_tokens / num_seqs)
     bytes = bytes_per_step (weights, read once) + bytes_per_token (activations)

@@ -51,7 +51,7 @@ def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = 
     """Matmul FLOP/s: the faster of torch's square n x n product and the engine's own projection
     kernel at 256 rows (on CPU it beats MKL, so torch alone would put the ceiling below what
     the engine reaches), each the median of repeats."""
-    from specplan.engine.linear import make_linear, packed_available
+    from specplan.engine.model.linear import make_linear, packed_available
 
     device = torch.device(device)
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -76,8 +76,8 @@ class BandwidthProbe:
     step is no floor for it."""
 
     def __init__(self, device: torch.device | str = "cpu", megabytes: int = 512):
-        from specplan.engine.huge_pages import huge_page_zeros
-        from specplan.engine.linear import make_linear, move_to_huge_pages, packed_available
+        from specplan.engine.model.huge_pages import huge_page_zeros
+        from specplan.engine.model.linear import make_linear, move_to_huge_pages, packed_available
 
         self.device = torch.device(device)
         numel = megabytes * 1024**2 // 4

@@ -123,7 +123,7 @@ def fingerprint(model_config, dtype: torch.dtype, device: str) -> Fingerprint:
 
 
 def _kernels(device: str) -> str:
-    from specplan.engine.cpu_kernels import build_id
+    from specplan.engine.model.cpu_kernels import build_id
 
     return build_id() if torch.device(device).type == "cpu" else torch.device(device).type
 

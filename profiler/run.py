@@ -18,12 +18,12 @@ import pandas as pd
 import torch
 from rich.progress import Progress
 
-from specplan.engine.loader import LoadedModel, load_model
+from specplan.engine.model.loader import LoadedModel, load_model
 from specplan.engine.model_runner import ModelRunner, ScheduledSeq
 
 from .ceilings import Ceilings, measure_ceilings
 from .cost_model import decode_step_cost, layer_costs, step_costs, weight_bytes
-from .engine_bench import timing_engine
+from .step_timer import timing_engine
 from .fit import fit_latency_model, heldout_error, mape
 from .latency_model import StepShape
 from .profile import (CeilingsModel, CostConstants, DraftCost, FitError, Profile, fingerprint)

@@ -15,8 +15,10 @@ import time
 from dataclasses import dataclass
 
 from specplan.engine import LLMEngine, SamplingParams
+from specplan.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from specplan.engine.model.loader import LoadedModel
 from specplan.engine.decider import StepRecord, StepView
-from specplan.engine.proposers.base import DraftTokens
+from specplan.engine.drafts import DraftTokens
 
 
 class RandomDraftProposer:
@@ -24,6 +26,7 @@ class RandomDraftProposer:
     are (almost) always rejected, so timing sees the verify width without the context growing."""
 
     name = "synthetic"
+    proposes_prefixes = False
 
     def __init__(self, vocab_size: int, seed: int = 0):
         self.vocab_size = vocab_size
@@ -75,8 +78,8 @@ class StepTimer:
             raise ValueError("the step timer needs an engine built with speculation enabled")
         self.engine = engine
         self.decider = ForcedK()
-        engine.speculator.decider = self.decider
-        engine.speculator.proposer = RandomDraftProposer(engine.model_config.vocab_size, seed)
+        engine.set_decider(self.decider)
+        engine.set_proposer(RandomDraftProposer(engine.model_config.vocab_size, seed))
         self.rng = random.Random(seed)
         self._ids = 0
 
@@ -114,3 +117,16 @@ class StepTimer:
     def clear(self) -> None:
         for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
             self.engine.abort_request(seq.request_id)
+
+
+def timing_engine(loaded: LoadedModel, max_batch: int, max_tokens_per_seq: int, context: int) -> LLMEngine:
+    """An engine sized for the grid: room for every sequence's context and verify width."""
+    per_seq = context + 64 * max_tokens_per_seq
+    kv_bytes = 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 4
+    config = EngineConfig(
+        cache=CacheConfig(block_size=16, kv_cache_bytes=int(max_batch * per_seq * kv_bytes * 1.2) + 2**24),
+        scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * max_tokens_per_seq),
+                                  max_model_len=per_seq + 64),
+        spec=SpecConfig(proposer="ngram", k=0, max_k=max_tokens_per_seq - 1),
+    )
+    return LLMEngine(config, loaded)

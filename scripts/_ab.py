@@ -4,8 +4,8 @@ import json
 import statistics
 from typing import Callable
 
-from specplan import evaluate as ev
-from specplan.profiler.workloads import load_workload
+from specplan.bench import evaluate as ev
+from specplan.bench.workloads import load_workload
 
 Arm = tuple[Callable[[], object], Callable[[], object]]  # (make decider, make proposer)
 

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from bench_kv_layout import D, H, KVH, LAYERS, time_step  # the same model shapes and timing loop
-from specplan.engine.attention_cpu import load_kernel
+from specplan.engine.model.attention_cpu import load_kernel
 
 BLOCK = 16
 SHAPES = ((1, 256, 1), (2, 256, 1), (4, 256, 1), (8, 256, 1), (1, 256, 3), (1, 256, 9), (1, 1024, 1), (1, 4096, 1))

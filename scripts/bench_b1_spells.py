@@ -16,10 +16,10 @@ import sys
 
 import torch
 
-from specplan.engine.loader import load_model
+from specplan.engine.model.loader import load_model
 from specplan.profiler.ceilings import BandwidthProbe
 from specplan.profiler.cost_model import decode_step_cost
-from specplan.profiler.engine_bench import timing_engine
+from specplan.profiler.step_timer import timing_engine
 from specplan.profiler.step_timer import StepTimer
 
 CONTEXT = 256

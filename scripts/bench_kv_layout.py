@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from specplan.engine.attention_cpu import load_kernel
+from specplan.engine.model.attention_cpu import load_kernel
 
 B, CONTEXT, H, KVH, D, LAYERS = 32, 256, 9, 3, 64, 30
 

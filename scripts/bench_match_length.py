@@ -26,10 +26,10 @@ import statistics
 import sys
 
 from _ab import median_goodput, paired, run_grid
-from specplan import evaluate as ev
+from specplan.bench import evaluate as ev
 from specplan.adaptive import load_or_make_profile
 from specplan.engine.decider import FixedDecider
-from specplan.engine.loader import load_model
+from specplan.engine.model.loader import load_model
 from specplan.engine.proposers.ngram import NgramProposer
 from specplan.engine.proposers.suffix import SuffixProposer
 from specplan.planner.acceptance import default_prior

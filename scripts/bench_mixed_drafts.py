@@ -22,8 +22,8 @@ import sys
 import torch
 
 from specplan.adaptive import load_or_make_profile
-from specplan.engine.loader import load_model
-from specplan.profiler.engine_bench import timing_engine
+from specplan.engine.model.loader import load_model
+from specplan.profiler.step_timer import timing_engine
 from specplan.profiler.latency_model import StepShape
 from specplan.profiler.step_timer import StepTimer
 

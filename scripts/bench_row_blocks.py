@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from specplan.engine.cpu_kernels import build_config
+from specplan.engine.model.cpu_kernels import build_config
 
 CSRC = Path(__file__).resolve().parent.parent / "engine" / "csrc"
 KERNELS, CFLAGS = build_config()  # the engine's own build: the widest ISA this CPU has

@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from specplan.engine.attention_cpu import load_kernel
-from specplan.engine.loader import load_model
+from specplan.engine.model.attention_cpu import load_kernel
+from specplan.engine.model.loader import load_model
 from specplan.profiler.ceilings import BandwidthProbe, measure_peak_flops
 from specplan.profiler.cost_model import decode_step_cost
-from specplan.profiler.engine_bench import timing_engine
+from specplan.profiler.step_timer import timing_engine
 from specplan.profiler.step_timer import StepTimer
 
 CONTEXT, BLOCK, ROUNDS = 256, 16, 5

@@ -10,8 +10,8 @@ import time
 import torch
 sys.path.insert(0, "tests")
 from test_attention_cpu import tree_batch, make_tensors, random_tree, reference
-from specplan.engine.attention import AttentionPlan, paged_attention
-from specplan.engine.attention_cpu import paged_attention_cpu
+from specplan.engine.model.attention import AttentionPlan, paged_attention
+from specplan.engine.model.attention_cpu import paged_attention_cpu
 rng = random.Random(0)
 specs = [(256, 1)] * 31 + [(256, 5)]
 trees = {31: random_tree(rng, 5)}

@@ -24,8 +24,8 @@ from collections import defaultdict
 import torch
 from transformers import AutoModelForCausalLM
 
-from specplan import evaluate as ev
-from specplan.engine.loader import load_model
+from specplan.bench import evaluate as ev
+from specplan.engine.model.loader import load_model
 from specplan.planner.acceptance import match_bucket
 
 PROMPTS, MAX_TOKENS, MAX_K = 24, 64, 8

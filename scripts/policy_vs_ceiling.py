@@ -24,13 +24,13 @@ from collections import defaultdict
 
 import torch
 
-from specplan import evaluate as ev
+from specplan.bench import evaluate as ev
 from specplan.adaptive import load_or_make_profile
 from specplan.engine.decider import StepRecord, StepView
-from specplan.engine.loader import load_model
+from specplan.engine.model.loader import load_model
 from specplan.planner.acceptance import match_bucket
 from specplan.planner.from_profile import planner_from_profile
-from specplan.profiler.workloads import load_workload
+from specplan.bench.workloads import load_workload
 
 MAX_TOKENS, MAX_K = 64, 8  # the evaluation's output length and k cap
 

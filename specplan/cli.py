@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specplan.bench_cli import bench_app
+from specplan.bench.cli import bench_app
 
 # Engine sizing options shared by `serve` and `sweep`.
 MaxNumSeqs = Annotated[int, typer.Option(help="Sequences in the running batch at once.")]
@@ -55,7 +55,7 @@ def generate(
 ) -> None:
     """Generate text for each prompt with the built-in engine."""
     from specplan.engine import LLM, RequestError, SamplingParams
-    from specplan.engine.loader import ModelLoadError, load_model
+    from specplan.engine.model.loader import ModelLoadError, load_model
     from specplan.profiler.profile import ProfileError
 
     try:
@@ -140,9 +140,9 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     if not adaptive and (policy is not None or profile is not None or sla_itl_ms is not None):
         fail("--policy, --profile and --sla-itl-ms only apply with --adaptive")
-    from specplan.engine.loader import ModelLoadError, load_model
-    from specplan.engine.server import build_engine
-    from specplan.engine.server import serve as run_server
+    from specplan.engine.model.loader import ModelLoadError, load_model
+    from specplan.engine.server.app import build_engine
+    from specplan.engine.server.app import serve as run_server
     from specplan.profiler.profile import ProfileError
 
     t0 = time.perf_counter()
@@ -184,7 +184,7 @@ def profile_cmd(
     import shlex
     import sys
 
-    from specplan.engine.loader import ModelLoadError
+    from specplan.engine.model.loader import ModelLoadError
     from specplan.profiler.run import run_profile
 
     try:
@@ -241,9 +241,9 @@ def sweep(
     """Run every policy at every load level against an in-process server; write parquet results and the report."""
     import shlex
 
-    from specplan.engine.loader import ModelLoadError
+    from specplan.engine.model.loader import ModelLoadError
     from specplan.profiler.profile import ProfileError
-    from specplan.profiler.workloads import WorkloadUnavailableError
+    from specplan.bench.workloads import WorkloadUnavailableError
 
     if (rates is None) == (concurrency is None):
         fail("give exactly one of --rates and --concurrency")
@@ -262,7 +262,7 @@ def sweep(
     except ValueError as e:
         fail(str(e))
     levels = _floats(rates, "--rates") if rates is not None else _floats(concurrency, "--concurrency")
-    from specplan.sweep import run_sweep
+    from specplan.bench.sweep import run_sweep
 
     try:
         path = run_sweep(names, rates=levels if rates is not None else None, workload=workload,
@@ -289,8 +289,8 @@ def report(
     """Render <out>/report.md and its plots from a sweep's stored results (no re-run)."""
     import dataclasses
 
-    from specplan.sweep import SLA
-    from specplan.sweep_report import load_results, render_report
+    from specplan.bench.sweep import SLA
+    from specplan.bench.sweep_report import load_results, render_report
 
     sla = None
     try:
@@ -325,8 +325,8 @@ def evaluate_cmd(
     import pandas as pd
 
     from specplan.adaptive import load_or_make_profile
-    from specplan.engine.loader import ModelLoadError, load_model
-    from specplan.evaluate import evaluate, render_evaluation
+    from specplan.engine.model.loader import ModelLoadError, load_model
+    from specplan.bench.evaluate import evaluate, render_evaluation
     from specplan.profiler.profile import ProfileError
 
     try:

@@ -10,17 +10,17 @@ import shutil
 import pytest
 import torch
 
-from specplan.engine.attention import AttentionPlan, paged_attention
+from specplan.engine.model.attention import AttentionPlan, paged_attention
 from specplan.engine.batch import TokenBatch
 from specplan.engine.model_runner import _ancestor_bits, _ancestor_mask
-from specplan.engine.proposers.base import DraftTree
+from specplan.engine.drafts import DraftTree
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    from specplan.engine.attention_cpu import load_kernel
+    from specplan.engine.model.attention_cpu import load_kernel
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler on PATH: the engine uses the torch reference")
@@ -86,7 +86,7 @@ def reference(q, k_cache, v_cache, batch, window):
 
 def check(specs, *, heads=9, kv_heads=3, head_dim=64, block_size=16, window=None, dtype=torch.float32,
           seed=0, extra_blocks=0, cache_transform=None):
-    from specplan.engine.attention_cpu import paged_attention_cpu
+    from specplan.engine.model.attention_cpu import paged_attention_cpu
 
     batch, num_blocks = make_batch(specs, block_size, seed, extra_blocks)
     q, k_cache, v_cache = make_tensors(batch, num_blocks, block_size, heads, kv_heads, head_dim, dtype, seed)
@@ -185,7 +185,7 @@ def test_engine_cache_layout_write_and_move():
     """allocate_kv_cache: logical [L, 2, blocks, block_size, KVH, D] over head-major storage (one
     block's slots of one head are one contiguous run); write_kv puts slot s at (s // bs, s % bs)
     and ModelRunner.copy_slots moves slots in every layer, both through the strided view."""
-    from specplan.engine.attention import write_kv
+    from specplan.engine.model.attention import write_kv
     from types import SimpleNamespace
 
     from specplan.engine.model_runner import ModelRunner, allocate_kv_cache
@@ -213,7 +213,7 @@ def test_engine_cache_layout_write_and_move():
 
 def test_threads_agree_with_single_thread(kernel):
     """Dynamic scheduling over threads changes nothing: every row is computed by one thread."""
-    from specplan.engine.attention_cpu import paged_attention_cpu
+    from specplan.engine.model.attention_cpu import paged_attention_cpu
 
     batch, num_blocks = make_batch(MIXED, 16, 11)
     q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 9, 3, 64, torch.float32, 11)
@@ -246,7 +246,7 @@ def test_few_requests_split_keys(kernel, specs, head_dim, dtype):
 
 def test_split_keys_with_a_tree_row(kernel):
     """A single request verifying a draft tree on two threads: its keys are split too."""
-    from specplan.engine.attention_cpu import paged_attention_cpu
+    from specplan.engine.model.attention_cpu import paged_attention_cpu
 
     tree = random_tree(random.Random(3), 9)
     batch, num_blocks = tree_batch([(300, 9)], {0: tree}, 16, 31)
@@ -293,7 +293,7 @@ def tree_batch(specs, trees: dict[int, DraftTree], block_size: int, seed: int):
 def test_tree_batches_match_reference(kernel, head_dim, dtype, window):
     """Draft trees (9 nodes, wide and deep, some straddling a block edge; one of 40 nodes, more than
     a 16-key pass) beside decodes, linear verifies and a prefill chunk, in one batch."""
-    from specplan.engine.attention_cpu import paged_attention_cpu, supports
+    from specplan.engine.model.attention_cpu import paged_attention_cpu, supports
 
     rng = random.Random(head_dim + (window or 0))
     specs = [(20, 9), (5, 1), (27, 9), (0, 9), (100, 40), (63, 4), (150, 30), (9, 9)]
@@ -315,7 +315,7 @@ def test_tree_batches_match_reference(kernel, head_dim, dtype, window):
 
 
 def test_tree_batch_without_bits_is_refused(kernel):
-    from specplan.engine.attention_cpu import paged_attention_cpu, supports
+    from specplan.engine.model.attention_cpu import paged_attention_cpu, supports
 
     tree = {0: torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)}
     batch, num_blocks = make_batch([(20, 3), (5, 1)], 16, 12, tree=tree)
@@ -328,7 +328,7 @@ def test_tree_batch_without_bits_is_refused(kernel):
 
 
 def test_bad_block_id_is_an_error_not_a_crash(kernel):
-    from specplan.engine.attention_cpu import paged_attention_cpu
+    from specplan.engine.model.attention_cpu import paged_attention_cpu
 
     batch, num_blocks = make_batch([(20, 1), (40, 2)], 16, 13)
     q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 4, 2, 32, torch.float32, 13)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specplan.engine import LLM, SamplingParams
-from specplan.engine.loader import load_model
+from specplan.engine.model.loader import load_model
 
 pytestmark = pytest.mark.slow
 

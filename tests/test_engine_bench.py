@@ -9,7 +9,7 @@ import torch
 from conftest import loaded_from_hf, tiny_hf_model
 
 from specplan.profiler.ceilings import BandwidthProbe, Ceilings, measure_bandwidth
-from specplan.profiler.engine_bench import render_engine_report, run_step_grid
+from specplan.bench.engine_bench import render_engine_report, run_step_grid
 
 
 def _grid(b1t1_ms: float, b1t8_ms: float) -> pd.DataFrame:

@@ -10,7 +10,7 @@ import torch
 from conftest import loaded_from_hf, tiny_hf_model
 from specplan.engine.decider import FixedDecider
 from specplan.engine.proposers.ngram import NgramProposer
-from specplan.evaluate import _engine, paired_ratios, render_evaluation, run_cell, summarize
+from specplan.bench.evaluate import _engine, paired_ratios, render_evaluation, run_cell, summarize
 
 
 def synthetic_results() -> pd.DataFrame:
@@ -111,7 +111,7 @@ class _Ids:
 @pytest.fixture
 def ev_with_tiny_workloads(monkeypatch):
     """specplan.evaluate with every workload made of short repetitive prompts, and a tiny model."""
-    import specplan.evaluate as ev
+    import specplan.bench.evaluate as ev
 
     monkeypatch.setattr(ev, "load_workload", lambda w, n, seed: [_Ids([1 + i, 2, 3, 1 + i, 2, 3]) for i in range(n)])
     return ev, loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
@@ -179,12 +179,12 @@ def test_null_control_reads_off_against_itself_and_is_not_a_policy(tmp_path):
 
 def test_accepted_lengths_worked_example():
     """specplan/clairvoyant.py's example: drafts that match the reference, per output length."""
-    from specplan.clairvoyant import accepted_lengths
+    from specplan.bench.clairvoyant import accepted_lengths
 
     table = accepted_lengths(NgramProposer(), [[1, 5, 7, 9]], [[5, 7, 2]], max_k=8)
     # p=0: 9 never occurred before: no drafts. p=1: 5 -> [7, 9, 5] vs [7, 2]: 1. p=2: 5 7 -> [9, 5, 7] vs [2]: 0.
     assert table == [[0, 1, 0]]
-    from specplan.clairvoyant import Replayed, replay
+    from specplan.bench.clairvoyant import Replayed, replay
 
     # what a measurement by match length reads: drafts judged (cut at the output's end), accepted
     assert replay(NgramProposer(), [[1, 5, 7, 9]], [[5, 7, 2]], max_k=8) == [
@@ -198,8 +198,8 @@ def test_accepted_lengths_worked_example():
 
 
 def test_clairvoyant_decider_drafts_only_what_is_accepted():
-    from specplan.clairvoyant import ClairvoyantDecider, accepted_lengths
-    from specplan.evaluate import _request_index
+    from specplan.bench.clairvoyant import ClairvoyantDecider, accepted_lengths
+    from specplan.bench.evaluate import _request_index
 
     loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
     engine = _engine(loaded, "ngram", max_batch=4, draft_layers=1)
@@ -241,7 +241,7 @@ def test_summary_and_report_show_the_clairvoyant_ceiling(tmp_path):
 def test_resampled_geomean_ratios_keep_pairs_and_rechoose_the_best_static():
     from itertools import product
 
-    from specplan.evaluate import resampled_geomean_ratios
+    from specplan.bench.evaluate import resampled_geomean_ratios
 
     def runs(cells: dict) -> pd.Series:
         return pd.Series({(w, b, dec): xs for (w, b), by in cells.items() for dec, xs in by.items()}).rename_axis(
@@ -283,8 +283,8 @@ def test_summary_and_report_give_geomean_intervals(tmp_path):
 
 
 def test_held_out_prompts_avoid_the_evaluation_pool():
-    import specplan.evaluate as ev
-    from specplan.profiler.workloads import load_workload
+    import specplan.bench.evaluate as ev
+    from specplan.bench.workloads import load_workload
 
     class Bytes:  # a tokenizer stand-in: one id per UTF-8 byte of the prompt's text
         chat_template = None

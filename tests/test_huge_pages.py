@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specplan.engine.config import ModelConfig
-from specplan.engine.huge_pages import HUGE_PAGE, huge_page_zeros
+from specplan.engine.model.huge_pages import HUGE_PAGE, huge_page_zeros
 from specplan.engine.model_runner import allocate_kv_cache
 
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from specplan.engine.layer_ops import CpuKernelOps, TorchLayerOps, layer_ops_for
+from specplan.engine.model.layer_ops import CpuKernelOps, TorchLayerOps, layer_ops_for
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -116,7 +116,7 @@ def test_decoder_layers_in_one_call_equal_the_per_op_loop(arch, tree):
     order, so the same bits, in the hidden states and in every K/V written."""
     from conftest import loaded_from_hf, tiny_hf_model
     from specplan.engine.batch import TokenBatch
-    from specplan.engine.model import Model
+    from specplan.engine.model.transformer import Model
     from specplan.engine.model_runner import allocate_kv_cache, layer_caches
 
     loaded = loaded_from_hf(tiny_hf_model(arch, dtype=torch.float32, num_hidden_layers=3))
@@ -156,7 +156,7 @@ def test_every_kernel_file_feeds_the_build_id():
     would let a profile timed on other code be reused."""
     from pathlib import Path
 
-    from specplan.engine import cpu_kernels
+    from specplan.engine.model import cpu_kernels
 
     csrc = Path(cpu_kernels.__file__).parent / "csrc"
     hashed = {p.name for p in cpu_kernels._SOURCES + cpu_kernels._HEADERS}

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specplan.engine.huge_pages import HUGE_PAGE
-from specplan.engine.linear import (Linear, PackedLinear, make_linear, move_to_huge_pages, pack_weight,
+from specplan.engine.model.huge_pages import HUGE_PAGE
+from specplan.engine.model.linear import (Linear, PackedLinear, make_linear, move_to_huge_pages, pack_weight,
                                    packed_available)
 
 
@@ -117,9 +117,9 @@ def test_make_linear_falls_back_to_torch():
 
 _FALLBACK_CHECK = """
 import torch, torch.nn.functional as F
-from specplan.engine import cpu_kernels
-from specplan.engine.layer_ops import CpuKernelOps, TorchLayerOps
-from specplan.engine.linear import PackedLinear
+from specplan.engine.model import cpu_kernels
+from specplan.engine.model.layer_ops import CpuKernelOps, TorchLayerOps
+from specplan.engine.model.linear import PackedLinear
 assert cpu_kernels.build_config()[0].endswith("{isa}") and cpu_kernels.load()
 w, x = torch.randn(97, 40), torch.randn(11, 40)
 assert torch.allclose(PackedLinear(w)(x), F.linear(x, w), atol=1e-4)

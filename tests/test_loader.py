@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from specplan.engine import loader
-from specplan.engine.loader import LoadedModel, ModelLoadError, default_model_path, load_model
+from specplan.engine.model import loader
+from specplan.engine.model.loader import LoadedModel, ModelLoadError, default_model_path, load_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 CHAT_TEMPLATE = (

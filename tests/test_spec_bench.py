@@ -7,8 +7,8 @@ import json
 import pandas as pd
 import pytest
 
-from specplan.profiler.spec_bench import ROW_COLUMNS, render_spec_report, summarize, target_verdicts
-from specplan.profiler.workloads import KINDS
+from specplan.bench.spec_bench import ROW_COLUMNS, render_spec_report, summarize, target_verdicts
+from specplan.bench.workloads import KINDS
 
 # tokens/s per (workload, method); every prompt emits 128 tokens.
 SPEEDS = {
@@ -123,7 +123,7 @@ def test_render_flags_a_lossless_failure(tmp_path):
 
 
 def test_llama_cpp_draft_acceptance_from_recorded_drafts():
-    from specplan.profiler.spec_bench import _draft_stats
+    from specplan.bench.spec_bench import _draft_stats
 
     full = [1, 2, 3, 4, 5, 6, 7, 8]  # prompt [1, 2, 3] + output [4, 5, 6, 7, 8]
     calls = [

@@ -195,13 +195,14 @@ class OracleTreeProposer:
     so the accepted branch's K/V must be moved into place (tree compaction) for later steps."""
 
     name = "oracle-tree"
+    proposes_prefixes = False
 
     def __init__(self, expected: dict[tuple, list[int]], vocab: int):
         self.expected, self.vocab = expected, vocab
         self.accepted_paths = 0
 
     def propose(self, seqs, k):
-        from specplan.engine.proposers.base import DraftTokens, DraftTree
+        from specplan.engine.drafts import DraftTokens, DraftTree
 
         trees, linear = [], []
         for seq, ki in zip(seqs, k):
@@ -227,7 +228,7 @@ def test_tree_verification_keeps_the_right_branch(model, baseline, temperature):
     prompts, expected = baseline
     llm = tiny_llm(model, speculative_config={"proposer": "ngram", "k": 5})
     proposer = OracleTreeProposer({tuple(p): e for p, e in zip(prompts, expected)}, model.config.vocab_size)
-    llm.engine.speculator.proposer = proposer
+    llm.engine.set_proposer(proposer)
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=temperature))
     assert [o.token_ids for o in outs] == expected
     stats = llm.engine.stats

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import chat_tokenizer, loaded_from_hf, tiny_hf_model
-from specplan.sweep import (SLA, StreamResult, arrival_times, is_good, max_load_meeting, meets_itl_sla,
+from specplan.bench.sweep import (SLA, StreamResult, arrival_times, is_good, max_load_meeting, meets_itl_sla,
                             parse_sse_line, request_timings, summarize_level)
-from specplan.sweep_report import evaluate_checks, render_report
+from specplan.bench.sweep_report import evaluate_checks, render_report
 
 
 def _sse(obj) -> str:
@@ -221,8 +221,8 @@ def _synthetic_profile(loaded):
 
 
 def test_short_sweep_runs_end_to_end(tmp_path):
-    from specplan.profiler.workloads import Prompt
-    from specplan.sweep import run_sweep
+    from specplan.bench.workloads import Prompt
+    from specplan.bench.sweep import run_sweep
 
     loaded = _tiny_loaded()
     prompts = [Prompt("humaneval", "h/0", TEXTS[0]),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specplan.engine.verify import (TreeVerifyResult, VerifyResult, accept_greedy, emitted_tokens,
+from specplan.engine.spec_decode.rejection_sampler import (TreeVerifyResult, VerifyResult, accept_greedy, emitted_tokens,
                                     rejection_sample, verify_greedy, verify_tree)
 
 V = 6
@@ -248,7 +248,7 @@ def test_shape_errors():
 
 
 def test_importing_verify_does_not_import_triton():
-    code = "import sys, specplan.engine.verify; assert 'triton' not in sys.modules, 'triton imported'"
+    code = "import sys, specplan.engine.spec_decode.rejection_sampler; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

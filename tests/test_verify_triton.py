@@ -24,14 +24,14 @@ try:
 except Exception as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"triton cannot be imported: {exc!r}", allow_module_level=True)
 
-from specplan.engine.verify import rejection_sample, verify_greedy  # noqa: E402
+from specplan.engine.spec_decode.rejection_sampler import rejection_sample, verify_greedy  # noqa: E402
 
 if _PREIMPORTED:
     vt = None
 else:
     from triton.runtime.interpreter import InterpretedFunction
 
-    from specplan.engine import verify_triton as vt
+    from specplan.engine.spec_decode import rejection_sampler_triton as vt
 
     assert isinstance(vt._rejection_sample_kernel, InterpretedFunction), "verify_triton imported without the flag"
 

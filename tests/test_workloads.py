@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specplan.profiler import workloads
-from specplan.profiler.workloads import WORKLOADS, Prompt, WorkloadUnavailableError, load_workload, truncate_article
+from specplan.bench import workloads
+from specplan.bench.workloads import WORKLOADS, Prompt, WorkloadUnavailableError, load_workload, truncate_article
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
 """Proposers, one per file, behind one interface (``base.Proposer``); ``factory`` builds them."""
 
-from .base import DraftTokens, DraftTree, Proposer
+from ..drafts import DraftTokens, DraftTree
+from .base import Proposer
 
 __all__ = ["DraftTokens", "DraftTree", "Proposer"]

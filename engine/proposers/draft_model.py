@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from ..block_manager import BlockManager
-from ..model import Model
+from ..model.transformer import Model
 from ..model_runner import ModelRunner, ScheduledSeq
 from ..sampling import greedy_tokens, probabilities, sample_from
 from ..sequence import Sequence
-from .base import DraftTokens
+from ..drafts import DraftTokens
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class DraftModel:
 
 
 class DraftModelProposer:
+    proposes_prefixes = False  # each pass samples anew; proposing costs a forward per position
+
     def __init__(self, draft: DraftModel, runner: ModelRunner, block_manager: BlockManager,
                  default_generator: torch.Generator, name: str):
         self.draft = draft

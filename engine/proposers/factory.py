@@ -6,8 +6,8 @@ import torch
 
 from ..block_manager import BlockManager
 from ..config import EngineConfig, SpecConfig
-from ..loader import LoadedModel, load_model
-from ..model import Model
+from ..model.loader import LoadedModel, load_model
+from ..model.transformer import Model
 from ..model_runner import ModelRunner, allocate_kv_cache
 from .base import Proposer
 from .draft_model import DraftModel, DraftModelProposer

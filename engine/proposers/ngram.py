@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from ..sequence import Sequence
-from .base import DraftTokens
+from ..drafts import DraftTokens
 
 # How many trailing tokens of the already-indexed prefix are re-checked on each call when the
 # token list is the same object as last time (a cheap guard against in-place rewrites). A new

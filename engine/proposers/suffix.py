@@ -48,7 +48,7 @@ import time
 from collections import deque
 
 from ..sequence import Sequence
-from .base import DraftTokens, DraftTree
+from ..drafts import DraftTokens, DraftTree
 from .ngram import TokenMirror
 
 _MOD = (1 << 61) - 1  # Mersenne prime modulus for the polynomial hash

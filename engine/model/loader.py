@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import ModelConfig, UnsupportedModelError
+from ..config import ModelConfig, UnsupportedModelError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

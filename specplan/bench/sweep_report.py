@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from specplan.sweep import SLA, max_load_meeting, meets_itl_sla, summarize_level
+from specplan.bench.sweep import SLA, max_load_meeting, meets_itl_sla, summarize_level
 
 PLOTS = {
     "latency": "latency.png",

@@ -29,7 +29,7 @@ _SOURCES = [Path(__file__).parent / "csrc" / name
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("kernels.h", "vec_math.h")]
 # Python code that shapes a CPU step's speed beside the kernels (the KV cache's storage order, the
 # layer loop): part of build_id, so a profile timed on other code is measured again.
-_STEP_SOURCES = [Path(__file__).parent / name for name in ("model.py", "model_runner.py")]
+_STEP_SOURCES = [Path(__file__).parent / "transformer.py", Path(__file__).parents[1] / "model_runner.py"]
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # "ok" once load() has run
 

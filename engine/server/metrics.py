@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .decider import StepRecord
+from ..decider import StepRecord
 
 PREFIX = "specplan:"
 

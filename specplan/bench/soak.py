@@ -15,8 +15,8 @@ answer within --request-timeout-s, or still active on the server at the end), la
 percentiles, and the server's own counters. Exit code 0 only if there were zero 5xx, zero lost,
 zero stuck and the pool is full at the end.
 
-    python scripts/soak.py --tiny --duration-s 60          # quick check on a tiny random model
-    python scripts/soak.py --duration-s 300                 # the embedded default model
+    python -m specplan.bench.soak --tiny --duration-s 60          # quick check on a tiny random model
+    python -m specplan.bench.soak --duration-s 300                 # the embedded default model
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .batch import TokenBatch
+from ..batch import TokenBatch
 
 # Requests with at most this many query tokens (decodes, verifies) run together in one padded
 # batch; longer ones (prefill chunks) run one at a time so no decode is padded to a prompt's length.

@@ -23,27 +23,14 @@ from rich.progress import Progress
 from specplan.engine import LLM, SamplingParams
 from specplan.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specplan.engine.engine import LLMEngine
-from specplan.engine.loader import LoadedModel, load_model
+from specplan.engine.model.loader import LoadedModel, load_model
 
-from .ceilings import BandwidthProbe, Ceilings, measure_ceilings
-from .cost_model import decode_step_cost
-from .step_timer import StepTimer
+from specplan.profiler.ceilings import BandwidthProbe, Ceilings, measure_ceilings
+from specplan.profiler.cost_model import decode_step_cost
+from specplan.profiler.step_timer import StepTimer, timing_engine
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 TOKENS_PER_SEQ = (1, 2, 3, 5, 8, 9)  # 8: the issue's verify-width target; 9: k_max + 1
-
-
-def timing_engine(loaded: LoadedModel, max_batch: int, max_tokens_per_seq: int, context: int) -> LLMEngine:
-    """An engine sized for the grid: room for every sequence's context and verify width."""
-    per_seq = context + 64 * max_tokens_per_seq
-    kv_bytes = 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 4
-    config = EngineConfig(
-        cache=CacheConfig(block_size=16, kv_cache_bytes=int(max_batch * per_seq * kv_bytes * 1.2) + 2**24),
-        scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * max_tokens_per_seq),
-                                  max_model_len=per_seq + 64),
-        spec=SpecConfig(proposer="ngram", k=0, max_k=max_tokens_per_seq - 1),
-    )
-    return LLMEngine(config, loaded)
 
 
 class HFStepTimer:

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from . import cpu_kernels
-from .batch import TokenBatch
+from ..batch import TokenBatch
 
 
 def load_kernel() -> Callable | None:

@@ -23,12 +23,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .detokenizer import IncrementalDetokenizer
-from .engine import LLMEngine, RequestError
-from .sampling import SamplingParams
-from .sequence import Sequence
-from .server_metrics import ServerMetrics
-from .server_protocol import ApiError
+from ..detokenizer import IncrementalDetokenizer
+from ..engine import LLMEngine, RequestError
+from ..sampling import SamplingParams
+from ..sequence import Sequence
+from .metrics import ServerMetrics
+from .protocol import ApiError
 
 logger = logging.getLogger("specplan.server")
 

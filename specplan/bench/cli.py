@@ -29,14 +29,14 @@ def bench_engine(
     llama_cpp: Annotated[bool, typer.Option(help="Include llama.cpp (needs the bench extra).")] = True,
 ) -> None:
     """Step time vs Hugging Face transformers and the roofline floor; single-stream generation."""
-    from specplan.profiler.engine_bench import run_engine_bench
+    from specplan.bench.engine_bench import run_engine_bench
 
     gguf = None
     if llama_cpp:
         try:
             import llama_cpp  # noqa: F401
 
-            from specplan.profiler.spec_bench import f32_gguf
+            from specplan.bench.spec_bench import f32_gguf
 
             gguf = f32_gguf()
         except ImportError:
@@ -59,7 +59,7 @@ def bench_spec(
     no_llama_cpp: Annotated[bool, typer.Option("--no-llama-cpp", help="Skip llama.cpp.")] = False,
 ) -> None:
     """Batch-1 speculative decoding: specplan's proposers x k vs transformers and llama.cpp prompt lookup."""
-    from specplan.profiler.spec_bench import run_spec_bench
+    from specplan.bench.spec_bench import run_spec_bench
 
     try:
         run_spec_bench(out_dir=out, prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens,

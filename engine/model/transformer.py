@@ -19,8 +19,8 @@ import torch
 from .attention import AttentionPlan, paged_attention
 from .attention_cpu import load_kernel, paged_attention_cpu
 from .attention_cpu import supports as cpu_kernel_supports
-from .batch import TokenBatch
-from .config import ModelConfig
+from ..batch import TokenBatch
+from ..config import ModelConfig
 from .layer_ops import CpuKernelOps, layer_ops_for
 from .linear import Linear, PackedLinear, make_linear, move_to_huge_pages, packed_available
 

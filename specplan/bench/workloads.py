@@ -1,4 +1,4 @@
-"""Benchmark prompt sets read from files shipped inside PyPI wheels (DESIGN.md §8).
+"""Benchmark prompt sets read from files shipped inside PyPI wheels (docs/design.md §8).
 
 Four workloads, one per kind of request a speculative decoder meets:
 

@@ -213,7 +213,7 @@ def render_workload(workload: str | Sequence[Any], tokenizer: Any, *, pool: int,
     """Prompts of a workload (name, or Prompt objects) as token ids, longer ones than
     ``max_input_tokens`` left out. Names go through ``profiler.workloads.load_workload``."""
     if isinstance(workload, str):
-        from specplan.profiler.workloads import load_workload
+        from specplan.bench.workloads import load_workload
 
         prompts = load_workload(workload, pool, seed)
     else:
@@ -404,7 +404,7 @@ async def run_load(base_url: str, requests: Sequence[LoadRequest], opts: ClientO
 # timestamps are then not delayed by the engine thread holding the server process's GIL. The
 # child is a plain `python -c` (not multiprocessing), so no caller needs a `__main__` guard; it
 # reads its job as JSON on stdin, prints "+" per finished request and the result as one JSON line.
-_CHILD = "import specplan.sweep as s; s._client_child()"
+_CHILD = "import specplan.bench.sweep as s; s._client_child()"
 
 
 def _client_child() -> None:
@@ -622,7 +622,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specplan.engine.server import build_engine, create_app
+    from specplan.engine.server.app import build_engine, create_app
 
     if (rates is None) == (concurrency is None):
         raise ValueError("give exactly one of rates and concurrency")
@@ -648,7 +648,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
 
     t_load = time.perf_counter()
     if loaded is None:
-        from specplan.engine.loader import load_model
+        from specplan.engine.model.loader import load_model
 
         loaded = load_model(model)
     load_s = time.perf_counter() - t_load
@@ -758,7 +758,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
     config["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     _write_json(config, out / "sweep.json")
     if render:
-        from specplan.sweep_report import render_report
+        from specplan.bench.sweep_report import render_report
 
         render_report(out)
     return out

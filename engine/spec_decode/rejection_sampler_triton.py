@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .verify import VerifyResult
+from .rejection_sampler import VerifyResult
 
 __all__ = ["rejection_sample_triton", "verify_greedy_triton"]
 

@@ -30,13 +30,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from .decider import SpecDecider
-from .engine import LLMEngine
-from .sampling import SamplingParams
-from .server_loop import Accepted, EngineLoop, Failed, Finished, Job, LoopStopped, Progress, QueueFull
-from .server_metrics import ServerMetrics
-from .server_protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
+from ..config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from ..decider import SpecDecider
+from ..engine import LLMEngine
+from ..sampling import SamplingParams
+from .loop import Accepted, EngineLoop, Failed, Finished, Job, LoopStopped, Progress, QueueFull
+from .metrics import ServerMetrics
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
 
 logger = logging.getLogger("specplan.server")
 

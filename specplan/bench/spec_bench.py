@@ -87,7 +87,7 @@ def f32_gguf(source: Path | str | None = None, cache_dir: Path | None = None) ->
     from gguf.quants import dequantize
 
     if source is None:
-        from specplan.engine.loader import default_model_path
+        from specplan.engine.model.loader import default_model_path
 
         source = default_model_path()
     source = Path(source)
@@ -365,7 +365,7 @@ def run_spec_bench(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specplan.engine.loader import load_model
+    from specplan.engine.model.loader import load_model
 
     console = Console(stderr=True, quiet=not progress)
     started = time.time()

@@ -26,7 +26,6 @@ policies are read against (n-gram only: its drafts depend on nothing but the req
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import statistics
@@ -37,17 +36,16 @@ import numpy as np
 import pandas as pd
 from rich.progress import Progress
 
-from specplan.clairvoyant import SELF_CONTAINED_PROPOSERS, ClairvoyantDecider, Replayed, replay
+from specplan.bench.clairvoyant import SELF_CONTAINED_PROPOSERS, ClairvoyantDecider, Replayed, replay
 from specplan.engine import LLMEngine, SamplingParams
 from specplan.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specplan.engine.decider import FixedDecider
-from specplan.engine.loader import LoadedModel
-from specplan.engine.metrics import SpecStats
+from specplan.engine.model.loader import LoadedModel
 from specplan.engine.proposers.base import Proposer
-from specplan.engine.proposers.factory import make_draft_model, make_proposer
+from specplan.engine.proposers.factory import make_proposer
 from specplan.planner.from_profile import planner_from_profile
 from specplan.profiler.profile import Profile
-from specplan.profiler.workloads import load_workload
+from specplan.bench.workloads import load_workload
 
 WORKLOADS = ("humaneval", "gsm8k", "mtbench", "xsum")
 BATCH_SIZES = (1, 4, 16, 32)
@@ -82,28 +80,14 @@ def _engine(loaded: LoadedModel, proposer: str, max_batch: int, draft_layers: in
     return LLMEngine(config, loaded)
 
 
-def _fresh_proposer(engine: LLMEngine) -> None:
-    """A new proposer per run, so a suffix cache filled by one decider never helps the next."""
-    spec = engine.config.spec
-    draft = engine.speculator.proposer.draft if hasattr(engine.speculator.proposer, "draft") else None
-    if spec.proposer in ("layer-skip", "draft") and draft is None:
-        draft = make_draft_model(spec, engine.model, engine.config)
-    engine.speculator.proposer = make_proposer(spec, draft, engine.runner, engine.block_manager,
-                                               engine.default_generator)
-
-
 def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: int,
              concurrency: int | None = None, proposer: Proposer | None = None) -> dict:
     """All prompts queued at once, at most ``concurrency`` (default: all) running at a time.
     ``proposer``: a new proposer for this run (default: a fresh one of the engine's kind)."""
-    engine.speculator.decider = decider
-    engine.scheduler.config = dataclasses.replace(engine.scheduler.config,
-                                                  max_num_seqs=concurrency or len(prompts))
-    if proposer is None:
-        _fresh_proposer(engine)
-    else:
-        engine.speculator.proposer = proposer
-    engine.stats = SpecStats()
+    engine.set_decider(decider)
+    engine.set_max_num_seqs(concurrency or len(prompts))
+    engine.set_proposer(proposer)  # None: a fresh one, so a suffix cache filled by one run never helps the next
+    engine.reset_stats()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [_request_id(i) for i in range(len(prompts))]
     t0 = time.perf_counter()
