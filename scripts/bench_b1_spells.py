@@ -19,8 +19,7 @@ import torch
 from specplan.engine.model.loader import load_model
 from specplan.profiler.ceilings import BandwidthProbe
 from specplan.profiler.cost_model import decode_step_cost
-from specplan.profiler.step_timer import timing_engine
-from specplan.profiler.step_timer import StepTimer
+from specplan.profiler.step_timer import StepTimer, timing_engine
 
 CONTEXT = 256
 

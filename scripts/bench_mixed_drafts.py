@@ -23,9 +23,8 @@ import torch
 
 from specplan.adaptive import load_or_make_profile
 from specplan.engine.model.loader import load_model
-from specplan.profiler.step_timer import timing_engine
 from specplan.profiler.latency_model import StepShape
-from specplan.profiler.step_timer import StepTimer
+from specplan.profiler.step_timer import StepTimer, timing_engine
 
 CONTEXT = 256
 STEPS_PER_CELL = 3  # timed after one untimed step of the same shape

@@ -1,6 +1,6 @@
 """A/B the register block of packed_linear (MR: rows per block) in one process, interleaved.
 
-Builds one variant of engine/csrc/packed_linear.cpp per MR (its op renamed so they load side by
+Builds one variant of engine/model/csrc/packed_linear.cpp per MR (its op renamed so they load side by
 side), then times one step's products of SmolLM2-135M (30 layers of qkv, o, gate_up, down and the
 LM head) at each row count M, the variants in alternating order, and prints medians and the ratio
 to the first MR. AVX-512 builds only (the MR the kernel picks without AVX-512 is not touched).
@@ -22,7 +22,7 @@ from torch.utils import cpp_extension
 
 from specplan.engine.model.cpu_kernels import build_config
 
-CSRC = Path(__file__).resolve().parent.parent / "engine" / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "engine" / "model" / "csrc"
 KERNELS, CFLAGS = build_config()  # the engine's own build: the widest ISA this CPU has
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (K, N) of one step
 

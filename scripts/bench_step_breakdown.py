@@ -28,8 +28,7 @@ from specplan.engine.model.attention_cpu import load_kernel
 from specplan.engine.model.loader import load_model
 from specplan.profiler.ceilings import BandwidthProbe, measure_peak_flops
 from specplan.profiler.cost_model import decode_step_cost
-from specplan.profiler.step_timer import timing_engine
-from specplan.profiler.step_timer import StepTimer
+from specplan.profiler.step_timer import StepTimer, timing_engine
 
 CONTEXT, BLOCK, ROUNDS = 256, 16, 5
 

@@ -2,7 +2,7 @@
 
 For each workload, 24 prompts the evaluation does not use (it draws 32 with seed 0) run greedy with
 SD off; each request's output is then replayed through a fresh n-gram proposer at every output
-length (specplan/clairvoyant.py ``replay``): its drafts against what the target really emitted
+length (specplan/bench/clairvoyant.py ``replay``): its drafts against what the target really emitted
 next. Per match-length bucket (planner/acceptance.py ``match_bucket``), it prints the first
 draft's acceptance and each later draft's, given the ones before it were accepted: the numbers
 behind ``DEFAULT_PRIORS["ngram"].by_match_length``.

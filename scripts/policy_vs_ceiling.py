@@ -1,7 +1,7 @@
 """Where the goodput policy leaves tokens the clairvoyant ceiling takes, by n-gram match length.
 
 For each workload, the evaluation's requests (the first max(B, 4) of its 32, seed 0) run greedy
-with SD off; the outputs are replayed through a fresh n-gram proposer (specplan/clairvoyant.py
+with SD off; the outputs are replayed through a fresh n-gram proposer (specplan/bench/clairvoyant.py
 ``replay``), which gives, per request and output length, how many drafts the target would accept:
 what the ceiling asks for. Then the goodput policy runs the same requests, and every request-step
 it decided is set against that. Per match-length bucket (planner/acceptance.py ``match_bucket``;
@@ -24,13 +24,14 @@ from collections import defaultdict
 
 import torch
 
-from specplan.bench import evaluate as ev
 from specplan.adaptive import load_or_make_profile
+from specplan.bench import evaluate as ev
+from specplan.bench.workloads import load_workload
 from specplan.engine.decider import StepRecord, StepView
 from specplan.engine.model.loader import load_model
 from specplan.planner.acceptance import match_bucket
 from specplan.planner.from_profile import planner_from_profile
-from specplan.bench.workloads import load_workload
+from specplan.policies import make_policy
 
 MAX_TOKENS, MAX_K = 64, 8  # the evaluation's output length and k cap
 
@@ -59,7 +60,7 @@ def main(batch: int, workloads: list[str]) -> None:
     for workload in workloads:
         prompts = [p.render(loaded.tokenizer) for p in load_workload(workload, 32, 0)][:max(batch, 4)]
         _, table = ev.replayed_reference(engine, prompts, MAX_TOKENS, concurrency=batch)
-        decider = RecordingDecider(planner_from_profile(profile, "goodput", proposer="ngram", max_k=MAX_K))
+        decider = RecordingDecider(planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=MAX_K))
         ev.run_cell(engine, prompts, decider, MAX_TOKENS, concurrency=batch)
         # bucket -> [steps, k, possible, taken, wasted, short]
         sums: dict[int, list[int]] = defaultdict(lambda: [0] * 6)

@@ -92,7 +92,7 @@ def test_cells_are_lossless_across_deciders():
     c = run_cell(engine, prompts, FixedDecider(2), max_tokens=12, concurrency=2)  # closed loop at B = 2
     assert c["outputs"] == a["outputs"] and max(running) == 2
     assert a["k_zero_share"] == 1.0 and b["mean_k"] > 0
-    given = NgramProposer(max_n=2)  # a run can bring its own proposer (scripts/bench_suffix_lookahead.py)
+    given = NgramProposer(max_n=2)  # a run can bring its own proposer (as A/Bs of proposers do)
     d = run_cell(engine, prompts, FixedDecider(4), max_tokens=12, proposer=given)
     assert engine.speculator.proposer is given and d["outputs"] == a["outputs"] and d["mean_k"] > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
