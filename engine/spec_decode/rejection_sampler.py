@@ -241,7 +241,7 @@ def rejection_sample(draft_token_ids: torch.Tensor, cu_num_draft: torch.Tensor, 
     idx = _draft_index(draft_token_ids, cu_num_draft, max_num_draft)
     n = draft_token_ids.numel()
     b = idx.num_draft_per_req.numel()
-    check_sampling_shapes(n, b, draft_probs, target_probs, uniform, exponential)
+    vocab = check_sampling_shapes(n, b, draft_probs, target_probs, uniform, exponential)
     device = target_probs.device
     draft = draft_token_ids.long()  # [N]
     target_probs = target_probs.float()  # [N+B, V]
