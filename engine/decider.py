@@ -81,8 +81,28 @@ class SpecDecider(Protocol):
         ...
 
 
+class PredictsStepTime(Protocol):
+    """Optional for a ``SpecDecider``: the step time it predicted when it made its latest decision.
+
+    ``predicted_step_s`` is in seconds, or None when the decider makes no prediction. The server
+    exports it beside the measured step time. It is kept apart from ``SpecDecider`` because a
+    decider that predicts nothing need not declare it; read it through ``predicted_step_s()``.
+    """
+
+    predicted_step_s: float | None
+
+
+def predicted_step_s(decider: SpecDecider) -> float | None:
+    """The decider's ``predicted_step_s``, or None when it does not declare one (see
+    ``PredictsStepTime``): the one place that tolerates its absence."""
+    value = getattr(decider, "predicted_step_s", None)
+    return float(value) if value is not None else None
+
+
 class FixedDecider:
     """The same k for every request, every step (what serving stacks do today)."""
+
+    predicted_step_s: float | None = None  # it makes no prediction
 
     def __init__(self, k: int):
         if k < 0:

@@ -1,8 +1,11 @@
 """LLMEngine: requests in, tokens out, one step at a time.
 
-One step: the scheduler picks sequences and query tokens, the model runner runs one forward pass
-over all of them, the sampler picks next tokens, and each sequence is checked for its stop
-conditions. Used by the offline ``LLM`` API and by the server's engine loop.
+One step (``LLMEngine.step``) reads as its parts: schedule (the scheduler picks sequences and
+query tokens), plan (the decider picks k per decoding request, the proposer drafts), forward (the
+model runner runs one pass over everything), verify (the target's logits against the drafts:
+spec_decode/), commit (keep the accepted K/V and tokens, check stop conditions, return rejected
+lookahead slots) and record (the StepRecord the decider learns from). Used by the offline ``LLM``
+API and by the server's engine loop.
 """
 
 from __future__ import annotations
@@ -26,12 +29,29 @@ from .proposers.factory import make_draft_model, make_proposer
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .spec_decode.speculator import Speculator
-from .spec_decode.verifier import verify
+from .spec_decode.speculator import Proposal, Speculator
+from .spec_decode.verifier import Verdict, verify
 
 
 class RequestError(ValueError):
     """A request the engine cannot serve (bad prompt or parameters); the engine stays usable."""
+
+
+@dataclass(frozen=True)
+class _StepParts:
+    """What one step did, for its record (``LLMEngine._record``)."""
+
+    work: list[ScheduledSeq]  # every scheduled sequence's share, in batch order; decodes with their drafts
+    decodes: list[int]  # indices into work of the decode items (the decider's requests, in order)
+    proposal: Proposal | None  # None: no speculation this step
+    items: list[ScheduledSeq]  # the work items that sampled, aligned with verdicts
+    verdicts: list[Verdict]
+    emitted: dict[int, int]  # seq_id -> tokens appended this step
+    num_tokens: int  # query tokens in the forward pass
+    propose_s: float  # scheduling and planning (decide, reserve lookahead slots, propose)
+    forward_s: float  # building the batch and the forward pass
+    verify_s: float
+    total_s: float  # the whole step, commit included, before recording
 
 
 @dataclass
@@ -168,80 +188,126 @@ class LLMEngine:
         if self.speculator is None:
             raise ValueError(f"{what} needs an engine built with speculation enabled (EngineConfig.spec)")
 
-    # ---- one step ---------------------------------------------------------------------------
+    # ---- one step: schedule -> plan -> forward -> verify -> commit -> record ---------------
     def step(self) -> list[Sequence]:
         """Run one forward pass. Returns the sequences that got new tokens this step."""
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+        work = self._schedule()
+        if not work:
             return []
-        work = []
-        for seq, n in out.scheduled:
-            start = seq.num_computed_tokens
-            samples = start + n == seq.num_tokens  # the chunk ends the known tokens: sample after it
-            work.append(ScheduledSeq(seq, seq.token_ids[start:start + n], start, 1 if samples else 0))
-        ready = [i for i, w in enumerate(work) if w.num_logits and len(w.token_ids) == 1]  # decode steps
-        proposal = None
-        if self.speculator is not None and ready:
-            others = [w for i, w in enumerate(work) if i not in set(ready)]
-            extra = dict(num_prefill_tokens=sum(len(w.token_ids) for w in others), num_prefill_seqs=len(others),
-                         context_tokens=sum(w.start_position + len(w.token_ids) for w in work))
-            budget = self.config.scheduler.max_num_batched_tokens - out.num_tokens
-            proposal = self.speculator.plan([work[i] for i in ready], extra, budget, self.max_model_len)
-            for i, item in zip(ready, Speculator.draft_items([work[i] for i in ready], proposal)):
-                work[i] = item
+        decodes = [i for i, w in enumerate(work) if w.num_logits and len(w.token_ids) == 1]
+        proposal = self._plan(work, decodes)
         t1 = time.perf_counter()
-        batch = self.runner.build_batch(work, self.block_manager)
-        logits = self.runner.execute(batch)
+        logits, num_tokens = self._forward(work)
         t2 = time.perf_counter()
-        items = [w for w in work if w.num_logits]
-        verdicts = verify(logits, items, self.default_generator)
+        items = [w for w in work if w.num_logits]  # the items that sample: logits' row groups, in order
+        verdicts = self._verify(logits, items)
         t3 = time.perf_counter()
-        emitted: dict[int, int] = {}
+        emitted = self._commit(work, items, verdicts, now=t3)
+        total_s = time.perf_counter() - t0
+        self._record(_StepParts(work, decodes, proposal, items, verdicts, emitted, num_tokens,
+                                propose_s=t1 - t0, forward_s=t2 - t1, verify_s=t3 - t2, total_s=total_s))
+        return [w.seq for w in items]
+
+    def _schedule(self) -> list[ScheduledSeq]:
+        """The scheduler's picks as work items, in batch order. A chunk that reaches the end of its
+        sequence's known tokens wants one logit (the next token is sampled after it); a prefill
+        chunk short of the end wants none."""
+        work = []
+        for seq, n in self.scheduler.schedule().scheduled:
+            start = seq.num_computed_tokens
+            samples = start + n == seq.num_tokens
+            work.append(ScheduledSeq(seq, seq.token_ids[start:start + n], start, 1 if samples else 0))
+        return work
+
+    def _plan(self, work: list[ScheduledSeq], decodes: list[int]) -> Proposal | None:
+        """Speculate for the decode items ``work[i], i in decodes``: the decider picks k, lookahead
+        slots are reserved and the drafts proposed; each of those items in ``work`` is replaced by
+        one that feeds its drafts too (or its draft tree). None: no speculation this step."""
+        if self.speculator is None or not decodes:
+            return None
+        is_decode = set(decodes)
+        prefills = [w for i, w in enumerate(work) if i not in is_decode]
+        num_prefill_tokens = sum(len(w.token_ids) for w in prefills)
+        extra = dict(num_prefill_tokens=num_prefill_tokens, num_prefill_seqs=len(prefills),
+                     context_tokens=sum(w.start_position + len(w.token_ids) for w in work))
+        # The drafts share what the scheduled tokens left of the step's budget (a decode feeds one).
+        budget = self.config.scheduler.max_num_batched_tokens - num_prefill_tokens - len(decodes)
+        ready = [work[i] for i in decodes]
+        proposal = self.speculator.plan(ready, extra, budget, self.max_model_len)
+        for i, item in zip(decodes, Speculator.draft_items(ready, proposal)):
+            work[i] = item
+        return proposal
+
+    def _forward(self, work: list[ScheduledSeq]) -> tuple[torch.Tensor, int]:
+        """One forward pass over all the work: logits [sum(num_logits), V] fp32, and the number of
+        query tokens it fed."""
+        batch = self.runner.build_batch(work, self.block_manager)
+        return self.runner.execute(batch), batch.num_tokens
+
+    def _verify(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> list[Verdict]:
+        """Per sampling item, the tokens it emits: its accepted drafts, then one bonus or recovered
+        token (no drafts: just the next token); spec_decode/verifier.py."""
+        return verify(logits, items, self.default_generator)
+
+    def _commit(self, work: list[ScheduledSeq], items: list[ScheduledSeq], verdicts: list[Verdict],
+                now: float) -> dict[int, int]:
+        """Make the verdicts the sequences' state: the K/V they keep, the tokens they gain, the
+        lookahead slots they give back. Returns seq_id -> tokens appended (stop conditions may cut
+        a verdict short)."""
         for w in work:
-            if not w.num_logits:  # a prefill chunk that does not reach the end of the prompt
+            if not w.num_logits:  # a prefill chunk short of the prompt's end: its K/V is all kept
                 w.seq.num_computed_tokens += len(w.token_ids)
+        emitted: dict[int, int] = {}
         for w, v in zip(items, verdicts):
             seq = w.seq
             if w.tree is not None and v.path:
-                # Keep the accepted branch's K/V: node t's slot (c + t) moves to position c + depth.
-                self.runner.copy_slots([self.block_manager.slot(seq, w.start_position + t) for t in v.path],
-                                       [self.block_manager.slot(seq, w.start_position + 1 + j)
-                                        for j in range(len(v.path))])
+                self._keep_tree_branch(w, v.path)
             # K/V is valid for the fed tokens up to the last accepted draft.
             seq.num_computed_tokens = w.start_position + len(w.token_ids) - w.num_drafts + v.num_accepted
-            emitted[seq.seq_id] = self._append_tokens(seq, v.tokens, t3)
+            emitted[seq.seq_id] = self._append_tokens(seq, v.tokens, now)
             if not seq.is_finished:
                 self.block_manager.trim(seq, seq.num_tokens)  # roll back rejected lookahead slots
-        total = time.perf_counter() - t0
-        self._record(work, ready, proposal, verdicts, items, emitted, batch.num_tokens,
-                     (t1 - t0, t2 - t1, t3 - t2, total))
-        return [w.seq for w in items]
+        return emitted
 
-    def _record(self, work, ready, proposal, verdicts, items, emitted, num_tokens, times) -> None:
-        by_seq = {w.seq.seq_id: v for w, v in zip(items, verdicts)}
+    def _keep_tree_branch(self, w: ScheduledSeq, path: list[int]) -> None:
+        """Move the accepted branch's K/V to where a chain of those tokens would have written it.
+
+        Tree node t was fed at slot position c + t (c = w.start_position, the root's), but the
+        j-th accepted node belongs at position c + 1 + j. Example: root r with children x (node 1)
+        and y (node 2), y with child z (node 3); accepting y, z gives path [2, 3], so the K/V of
+        positions c + 2, c + 3 moves to c + 1, c + 2."""
+        slot = self.block_manager.slot
+        self.runner.copy_slots([slot(w.seq, w.start_position + t) for t in path],
+                               [slot(w.seq, w.start_position + 1 + j) for j in range(len(path))])
+
+    def _record(self, step: _StepParts) -> None:
+        """The step's StepRecord: kept as ``last_step``, counted in the engine's and each request's
+        statistics, and shown to the decider (which learns from the timings)."""
+        proposal = step.proposal
+        drafts = proposal.drafts if proposal is not None else None
+        natural_k = drafts.natural_k if drafts is not None else None
+        match_length = drafts.match_length if drafts is not None else None
+        verdict_of = {w.seq.seq_id: v for w, v in zip(step.items, step.verdicts)}
         reqs = []
-        for j, i in enumerate(ready):
-            w = work[i]
-            v = by_seq[w.seq.seq_id]
-            drafts = proposal.drafts if proposal is not None else None
-            natural = drafts.natural_k[j] if drafts is not None and drafts.natural_k is not None else None
-            matched = drafts.match_length[j] if drafts is not None and drafts.match_length is not None else None
+        for j, i in enumerate(step.decodes):
+            seq, num_drafts = step.work[i].seq, step.work[i].num_drafts
             reqs.append(RequestRecord(
-                seq_id=w.seq.seq_id, request_id=w.seq.request_id,
-                k=proposal.k[j] if proposal is not None else 0, num_proposed=w.num_drafts,
-                num_accepted=v.num_accepted, num_emitted=emitted[w.seq.seq_id], natural_k=natural,
-                match_length=matched))
-        propose_s, forward_s, verify_s, total_s = times
+                seq_id=seq.seq_id, request_id=seq.request_id,
+                k=proposal.k[j] if proposal is not None else 0, num_proposed=num_drafts,
+                num_accepted=verdict_of[seq.seq_id].num_accepted, num_emitted=step.emitted[seq.seq_id],
+                natural_k=natural_k[j] if natural_k is not None else None,
+                match_length=match_length[j] if match_length is not None else None))
+        is_decode = set(step.decodes)
         record = StepRecord(
-            requests=tuple(reqs), num_seqs=len(work), num_tokens=num_tokens,
-            num_prefill_tokens=sum(len(w.token_ids) for i, w in enumerate(work) if i not in set(ready)),
-            context_tokens=sum(w.start_position + len(w.token_ids) for w in work),
-            propose_s=propose_s, forward_s=forward_s, verify_s=verify_s, total_s=total_s)
+            requests=tuple(reqs), num_seqs=len(step.work), num_tokens=step.num_tokens,
+            num_prefill_tokens=sum(len(w.token_ids) for i, w in enumerate(step.work) if i not in is_decode),
+            context_tokens=sum(w.start_position + len(w.token_ids) for w in step.work),
+            propose_s=step.propose_s, forward_s=step.forward_s, verify_s=step.verify_s, total_s=step.total_s)
         self.last_step = record
         self.stats.add(record)
-        for r, i in zip(reqs, ready):
-            work[i].seq.spec.add(r)
+        for r, i in zip(reqs, step.decodes):
+            step.work[i].seq.spec.add(r)
         if self.speculator is not None:
             t0 = time.perf_counter()
             self.speculator.decider.observe(record)

@@ -48,12 +48,12 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
     storage is head-major, [..., num_blocks, KVH, block_size, D], and the tensor returned is that
     storage with its two middle dims swapped (a strided view: index it, never ``.view`` it). Why:
     a decode step reads each (block, KV head) of a request as one contiguous run of block_size * D
-    values, where a token-major block interleaves the heads at a stride of KVH * D. On the 2-core
-    CPU that cut the attention of a B=32 decode step at context 256 (30 layers) from 27.7 to
-    13.5 ms in the engine, 33.0 to 16.9 ms in ``python scripts/bench_kv_layout.py``.
+    values, where a token-major block interleaves the heads at a stride of KVH * D; that about
+    halved a large decode step's attention (``python scripts/bench_kv_layout.py``)
+    (measured: reports/README.md#engine-measurements).
 
-    On CPU the storage sits on 2 MB pages (engine/huge_pages.py): the same B=32 attention with
-    caches on 4 KB and 2 MB pages timed alternately, 25.5 -> 22.0 ms (B=8: 6.8 -> 5.8)."""
+    On CPU the storage sits on 2 MB pages (engine/model/huge_pages.py): fewer TLB misses when
+    attention reads many requests' blocks (measured: reports/README.md#engine-measurements)."""
     shape = (config.num_layers, 2, max(num_blocks, 1), config.num_kv_heads, block_size, config.head_dim)
     if device.type == "cpu":
         storage = huge_page_zeros(shape, dtype)
@@ -64,7 +64,7 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
 
 def layer_caches(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k_cache, v_cache) views [num_blocks, block_size, KVH, D] of a KV cache, made
-    once: unbinding the cache in every step cost 0.16 ms of a 14 ms B=1 step (60 view ops)."""
+    once: unbinding the cache in every step cost two view ops per layer, every step."""
     return [(k, v) for k, v in kv_cache]
 
 

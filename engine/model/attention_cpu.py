@@ -1,6 +1,6 @@
-"""Paged attention on CPU without gathering the KV cache: a small C++ kernel (engine/csrc/).
+"""Paged attention on CPU without gathering the KV cache: a small C++ kernel (engine/model/csrc/).
 
-The torch reference (engine/attention.py) copies every request's K and V out of the paged cache
+The torch reference (engine/model/attention.py) copies every request's K and V out of the paged cache
 (``k_cache[block_tables]``) in every layer. This kernel reads keys and values in place through the
 block tables, handles GQA by processing the G query heads of one KV head together (no repeated
 K/V), and keeps a streaming softmax per query row. Threads come from torch's intra-op pool.
@@ -12,7 +12,7 @@ trees of up to 63 nodes). A tree batch without ``tree_bits`` is not handled (``s
 which path a step takes); before the kernel knew trees, one suffix-tree request sent the whole
 batch through the reference, which copies every request's K/V out of the cache in every layer.
 
-The kernel is built with the engine's other CPU kernels (engine/cpu_kernels.py); without a
+The kernel is built with the engine's other CPU kernels (engine/model/cpu_kernels.py); without a
 compiler, or with ``SPECPLAN_CPU_KERNELS=0``, ``load_kernel`` returns None.
 """
 
@@ -46,8 +46,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ([num_blocks, block_size, KVH, D], this step's K/V already written).
 
     Raises ValueError for a tree batch without ``tree_bits`` (route it to
-    engine.attention.paged_attention) and RuntimeError if the kernel could not be built (check
-    ``supports`` first).
+    engine/model/attention.py's paged_attention) and RuntimeError if the kernel could not be
+    built (check ``supports`` first).
     """
     if batch.tree_masks and batch.tree_bits is None:
         raise ValueError("paged_attention_cpu needs batch.tree_bits for tree-masked requests; use the torch reference")
@@ -55,6 +55,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if op is None:
         raise RuntimeError("CPU paged-attention kernel unavailable; use the torch reference")
     # The batch's index tensors go in as built (TokenBatch documents their dtypes; the op checks
-    # them): converting them again in each of 30 layers cost ~0.2 ms a step at B=1.
+    # them): converting them again in every layer cost a visible share of a B=1 step
+    # (measured: reports/README.md#engine-measurements).
     return op(q.contiguous(), k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
               batch.positions, float(scale), int(sliding_window or 0), batch.tree_bits)

@@ -1,9 +1,9 @@
-"""The engine's C++ CPU kernels (engine/csrc/), built into one extension on first use.
+"""The engine's C++ CPU kernels (engine/model/csrc/), built into one extension on first use.
 
-Ops: ``torch.ops.specplan_attn.paged_attention_cpu`` (engine/attention_cpu.py),
-``torch.ops.specplan_linear.packed_linear`` (engine/linear.py), the fused per-layer ops
-``torch.ops.specplan_ops.*`` (engine/layer_ops.py) and ``specplan_ops.decoder_layers``, which
-chains them over a model's decoder layers (engine/model.py). The extension compiles once
+Ops: ``torch.ops.specplan_attn.paged_attention_cpu`` (engine/model/attention_cpu.py),
+``torch.ops.specplan_linear.packed_linear`` (engine/model/linear.py), the fused per-layer ops
+``torch.ops.specplan_ops.*`` (engine/model/layer_ops.py) and ``specplan_ops.decoder_layers``, which
+chains them over a model's decoder layers (engine/model/transformer.py). The extension compiles once
 (about 20-40 s on 2 cores) and is cached by torch.utils.cpp_extension under
 ``$SPECPLAN_CACHE/torch_extensions`` when SPECPLAN_CACHE is set, else torch's default extensions
 directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``); later processes only load

@@ -34,9 +34,9 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     raw = torch.frombuffer(arena, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE
     tensor = raw[start:start + nbytes]
-    # Fault every page in now (one written byte per 4 KB page), not inside a serving step. Measured
-    # here: a first touch of a 2 MB page costs 2-5 ms on this VM, and a B=32 decode step that
-    # crossed into new pages of the KV cache spent 21 ms writing K/V instead of 1.4 ms. Faulting
-    # 512 MB up front took 0.04-0.8 s.
+    # Fault every page in now (one written byte per 4 KB page), not inside a serving step: the
+    # first touch of a 2 MB page costs milliseconds, so a decode step that crossed into new pages
+    # of the KV cache spent many times its usual K/V write time; faulting everything up front is
+    # paid once, at startup (measured: reports/README.md#engine-measurements).
     tensor[::4096].zero_()
     return tensor.view(dtype).view(shape)

@@ -2,7 +2,7 @@
 
 ``TorchLayerOps`` is the reference: op for op as Hugging Face's Llama (RMSNorm in fp32, RoPE in
 rotate-half layout), on any device and dtype. ``CpuKernelOps`` runs the same math as fused C++
-kernels (engine/csrc/fused_ops.cpp) on CPU in float32, where a decode step is otherwise a few
+kernels (engine/model/csrc/fused_ops.cpp) on CPU in float32, where a decode step is otherwise a few
 thousand tiny torch ops. ``layer_ops_for`` picks one per model.
 
 The residual stream ``h`` is updated in place by ``add_rms_norm_`` (h += delta), as vLLM's fused

@@ -2,8 +2,8 @@
 
 Decode and verify steps multiply a few rows (M = tokens in the step, 1..~64) by every weight of
 the model, so they are bound by streaming the weights from memory once. On CPU in float32 the
-engine's own kernel (engine/csrc/packed_linear.cpp) does that at close to full bandwidth and is
-faster than MKL's SGEMM at every M measured (1..512, ``specplan bench engine``); elsewhere (CUDA,
+engine's own kernel (engine/model/csrc/packed_linear.cpp) does that at close to full bandwidth and is
+faster than MKL's SGEMM at every M measured (``specplan bench engine``); elsewhere (CUDA,
 other dtypes, no compiler) plain ``F.linear``.
 """
 
@@ -60,10 +60,9 @@ class PackedLinear(Linear):
 
 def move_to_huge_pages(linears: list[Linear]) -> None:
     """Put the packed weights of ``linears`` side by side in one buffer backed by 2 MB pages
-    (engine/huge_pages.py), each weight starting on a cache line.
-
-    Measured on SmolLM2-135M, one step's 121 products, 2 threads, 4 KB vs 2 MB pages: M = 1
-    21.7 -> 19.4 ms, M = 8 22.9 -> 22.4, M = 32 47.3 -> 45.9.
+    (engine/model/huge_pages.py), each weight starting on a cache line: fewer TLB misses while
+    a step streams every weight, which pays most when few rows are multiplied
+    (measured: reports/README.md#engine-measurements).
     """
     packed = [lin for lin in linears if isinstance(lin, PackedLinear)]
     if not packed:

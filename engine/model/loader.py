@@ -1,8 +1,8 @@
 """Load a model's config, weights and tokenizer from local files (DESIGN §8).
 
 Two sources: a Hugging Face-format directory (config.json, *.safetensors, tokenizer files) or a
-GGUF file. transformers dequantizes a GGUF slowly (about 25 s for the 135M default), so a GGUF
-is converted once into a Hugging Face-format cache directory and every load, first or later,
+GGUF file. transformers dequantizes a GGUF slowly (tens of seconds even for the 135M default),
+so a GGUF is converted once into a Hugging Face-format cache directory and every load, first or later,
 goes through the same directory path.
 """
 
@@ -237,10 +237,10 @@ def _check_gguf_magic(gguf: Path) -> None:
 def _gguf_cache_key(gguf: Path) -> str:
     """Size plus the first and last MiB, not a full sha256.
 
-    A full sha256 takes 0.27 s for the 98 MB default (warm page cache), more for larger files and
-    cold disks, on every load. The head holds the metadata and tensor layout, the tail the last
-    tensors' data, so a different model or quantization changes the key; mtime is left out so
-    copying a file does not force a new 25 s conversion.
+    A full sha256 would read the whole file on every load (a noticeable part of a second for the
+    default, more for larger files and cold disks). The head holds the metadata and tensor
+    layout, the tail the last tensors' data, so a different model or quantization changes the
+    key; mtime is left out so copying a file does not force a new conversion.
     """
     size = gguf.stat().st_size
     h = hashlib.sha256(f"specplan-gguf-v{GGUF_CACHE_FORMAT}:{size}:".encode())

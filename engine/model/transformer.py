@@ -142,10 +142,10 @@ class Model:
 
 @dataclass(frozen=True)
 class _KernelStack:
-    """The decoder layers as one C++ call (engine/csrc/decoder_layers.cpp): the kernels of
-    ``Model.forward``'s loop in the same order, so the same bits, without its ~300 Python-level
-    op calls a step (2-3 us each). Only for models whose layer ops and projections all run the
-    CPU kernels."""
+    """The decoder layers as one C++ call (engine/model/csrc/decoder_layers.cpp): the kernels of
+    ``Model.forward``'s loop in the same order, so the same bits, without its Python-level op
+    calls (about ten per layer, each paying interpreter and dispatcher time). Only for models
+    whose layer ops and projections all run the CPU kernels."""
 
     weights: list[torch.Tensor]  # per layer: qkv, o, gate_up, down (packed), post_norm, next_norm
     biases: list[torch.Tensor | None]  # per layer: qkv, o

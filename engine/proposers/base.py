@@ -1,13 +1,8 @@
 """The proposer interface: guess up to k_i tokens for each request, cheaply.
 
-Glossary (as in vLLM's spec-decode):
-  draft tokens      the proposer's guesses for the next tokens of a request
-  accepted tokens   the longest prefix of the drafts the target model agrees with
-  bonus token       the target's own next token when every draft was accepted
-  recovered token   the token sampled from the residual distribution after a rejection
-  lookahead slots   KV slots reserved for the draft tokens before the verify forward pass
-
-What a proposer answers (``DraftTokens``, ``DraftTree``) is defined in engine/drafts.py.
+What a proposer answers (``DraftTokens``, ``DraftTree``) is defined in engine/drafts.py; the
+terms (draft, accepted, bonus, recovered tokens, lookahead slots) in the glossary of
+engine/spec_decode/__init__.py.
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@ occurrence, then per-request evidence. ``token_ids`` is the greedy most-frequent
 
 Asked before k is decided (``proposes_prefixes``): the engine proposes each request's cap, shows
 the decider the tree's size and the match length, and keeps the first k nodes. That costs every
-step what the old ask-after-deciding path cost only on drafting steps: on the 2-core CPU about
-1 ms of a 130 ms step at B=32 (half of it indexing each new prompt, once). Measured A/B against
-the old path (scripts/bench_suffix_lookahead.py, two runs): 0.99-1.14x at B=1, 0.94-1.00x at B=32.
+step what the old ask-after-deciding path cost only on drafting steps, about 1% of a large
+step, and paid for itself at B=1 while costing little at B=32 (A/B against the old path in
+scripts/bench_suffix_lookahead.py) (measured: reports/README.md#engine-measurements).
 """
 
 from __future__ import annotations

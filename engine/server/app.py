@@ -4,10 +4,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SS
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus text)
 and ``GET /debug/engine`` (JSON: KV blocks free/total, running/waiting, active jobs).
 
-One engine thread serves every request (see ``server_loop``). Speculation is steered by the
+One engine thread serves every request (see loop.py). Speculation is steered by the
 engine's decider: a fixed k by default; ``build_engine(decider=...)`` / ``serve(decider=...)``
-is where an adaptive planner plugs in. A decider that exposes ``predicted_step_s`` fills the
-``specplan:step_time_predicted_seconds`` gauge.
+is where an adaptive planner plugs in. A decider that predicts its step time
+(``decider.PredictsStepTime``) fills the ``specplan:step_time_predicted_seconds`` gauge.
 
 Extension: ``"spec": {"k": N}`` in a request body forces that request's speculative tokens per
 step (``SamplingParams.num_speculative_tokens``; 0 = never speculate).

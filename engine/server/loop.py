@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..decider import predicted_step_s
 from ..detokenizer import IncrementalDetokenizer
 from ..engine import LLMEngine, RequestError
 from ..sampling import SamplingParams
@@ -350,16 +351,6 @@ class EngineLoop:
             pending = self._pending
         self.metrics.set_engine_state(bm.num_free_blocks, bm.num_blocks, running, waiting + pending)
 
-    def _predicted_step_s(self) -> float | None:
-        """The decider's prediction for the step just run, if it makes one (the planner seam).
-
-        A decider may expose ``predicted_step_s`` (seconds, for its latest decision); the fixed-k
-        decider does not, and the gauge stays 0.
-        """
-        spec = self.engine.speculator
-        value = getattr(spec.decider, "predicted_step_s", None) if spec is not None else None
-        return float(value) if value is not None else None
-
     def _step(self) -> None:
         engine = self.engine
         before = engine.last_step
@@ -374,7 +365,8 @@ class EngineLoop:
         record = engine.last_step
         if record is not None and record is not before:
             self._steps += 1
-            self.metrics.observe_step(record, self._predicted_step_s())
+            spec = engine.speculator
+            self.metrics.observe_step(record, predicted_step_s(spec.decider) if spec is not None else None)
         elif not seqs:
             self._stalled = True  # nothing could be scheduled: wait a little instead of spinning
         by_rid: dict[str, list[Sequence]] = {}

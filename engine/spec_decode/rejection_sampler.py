@@ -9,8 +9,9 @@ Three verifiers share one output format (``VerifyResult``):
 * ``verify_tree``       – several one-hot candidates per position (a tree from the suffix
   proposer), greedy or SpecInfer-style multi-candidate sampling.
 
-This module is the torch reference and runs on any device; ``verify_triton`` holds Triton kernels
-with the same signatures for CUDA. Importing this module never imports triton.
+This module is the torch reference and runs on any device; ``rejection_sampler_triton`` holds
+Triton kernels with the same signatures for CUDA. Importing this module never imports triton.
+The terms (accepted, bonus, recovered tokens) are defined in this package's glossary (__init__.py).
 
 Layout (flattened; request i has d_i >= 0 drafts, B requests, N = num_draft = sum d_i)
 --------------------------------------------------------------------------------------
@@ -143,6 +144,22 @@ def _draft_index(draft_token_ids: torch.Tensor, cu_num_draft: torch.Tensor,
                        max_num_draft=max_num_draft)
 
 
+def check_sampling_shapes(n: int, b: int, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                          uniform: torch.Tensor, exponential: torch.Tensor) -> int:
+    """Raise ValueError unless rejection sampling's inputs fit N = n drafts over B = b requests
+    (shapes as in ``rejection_sample``); returns V. The Triton kernel checks the same."""
+    if target_probs.dim() != 2 or target_probs.shape[0] != n + b:
+        raise ValueError(f"target_probs must be [num_draft + B, V], got {tuple(target_probs.shape)}")
+    vocab = target_probs.shape[1]
+    if draft_probs is not None and tuple(draft_probs.shape) != (n, vocab):
+        raise ValueError(f"draft_probs must be [num_draft, V] = {(n, vocab)}, got {tuple(draft_probs.shape)}")
+    if uniform.shape != (n,):
+        raise ValueError(f"uniform must be [num_draft], got {tuple(uniform.shape)}")
+    if exponential.shape != (b, vocab):
+        raise ValueError(f"exponential must be [B, V] = {(b, vocab)}, got {tuple(exponential.shape)}")
+    return vocab
+
+
 def _first_rejection(idx: _DraftIndex, accepted: torch.Tensor) -> torch.Tensor:
     """accepted [N] bool -> num_accepted [B] int64: the position of each request's first
     rejected draft, or d_i when all its drafts were accepted."""
@@ -199,8 +216,8 @@ def accept_greedy(drafts: list[int], target_argmax: list[int]) -> list[int]:
     """verify_greedy for one request on the host: its drafts [d] and target argmax rows [d + 1]
     -> the emitted tokens (the accepted drafts, then the recovered or bonus token). Example:
     drafts [5, 7], argmax [5, 3, 8] -> [5, 3]. On CPU, where the tokens end up in Python lists
-    anyway, this costs microseconds where verify_greedy's dozen small tensor ops cost ~0.4 ms a
-    step."""
+    anyway, this costs microseconds where verify_greedy's dozen small tensor ops cost a visible
+    share of a step."""
     if len(target_argmax) != len(drafts) + 1:
         raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target rows, got {len(target_argmax)}")
     n = 0
@@ -224,15 +241,7 @@ def rejection_sample(draft_token_ids: torch.Tensor, cu_num_draft: torch.Tensor, 
     idx = _draft_index(draft_token_ids, cu_num_draft, max_num_draft)
     n = draft_token_ids.numel()
     b = idx.num_draft_per_req.numel()
-    if target_probs.dim() != 2 or target_probs.shape[0] != n + b:
-        raise ValueError(f"target_probs must be [num_draft + B, V], got {tuple(target_probs.shape)}")
-    vocab = target_probs.shape[1]
-    if draft_probs is not None and tuple(draft_probs.shape) != (n, vocab):
-        raise ValueError(f"draft_probs must be [num_draft, V] = {(n, vocab)}, got {tuple(draft_probs.shape)}")
-    if uniform.shape != (n,):
-        raise ValueError(f"uniform must be [num_draft], got {tuple(uniform.shape)}")
-    if exponential.shape != (b, vocab):
-        raise ValueError(f"exponential must be [B, V] = {(b, vocab)}, got {tuple(exponential.shape)}")
+    vocab = check_sampling_shapes(n, b, draft_probs, target_probs, uniform, exponential)
     device = target_probs.device
     draft = draft_token_ids.long()  # [N]
     target_probs = target_probs.float()  # [N+B, V]

@@ -1,5 +1,5 @@
 """Triton kernels for speculative verification; same signatures and bit-identical outputs as the
-torch reference in ``verify.py`` (read its docstring for the layout, index math and formulas).
+torch reference in ``rejection_sampler.py`` (read its docstring for the layout, index math and formulas).
 
 Used on CUDA only; import this module lazily (it imports triton). Tested on CPU tensors with
 ``TRITON_INTERPRET=1`` set before triton is imported (the flag is read when ``@triton.jit`` runs).
@@ -17,7 +17,7 @@ One program per request (grid = (B,)):
    (max, first index) per block, keeping the lower index on ties. Two races run side by side, on
    r and on p, so the all-zero-residual fallback to p needs no second pass.
 
-Worked example, the same as ``verify.py``'s: B = 3, cu = [0, 2, 2, 5], program 2 has start = 2,
+Worked example, the same as ``rejection_sampler.py``'s: B = 3, cu = [0, 2, 2, 5], program 2 has start = 2,
 end = 5, checks drafts 2, 3, 4 against target rows 4, 5, 6, rejects draft 4 -> num_accepted = 2,
 final row 2 + 2 + 2 = 6, writes out[2, 0:2] = drafts 2, 3 and out[2, 2] = the recovered token.
 """
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rejection_sampler import VerifyResult
+from .rejection_sampler import VerifyResult, check_sampling_shapes
 
 __all__ = ["rejection_sample_triton", "verify_greedy_triton"]
 
@@ -153,7 +153,7 @@ def _prepare(draft_token_ids: torch.Tensor, cu_num_draft: torch.Tensor, max_num_
 
 def verify_greedy_triton(draft_token_ids: torch.Tensor, cu_num_draft: torch.Tensor, target_argmax: torch.Tensor,
                          *, max_num_draft: int | None = None) -> VerifyResult:
-    """Same as ``verify.verify_greedy``. draft_token_ids [N]; cu_num_draft [B+1]; target_argmax [N+B]."""
+    """Same as ``rejection_sampler.verify_greedy``. draft_token_ids [N]; cu_num_draft [B+1]; target_argmax [N+B]."""
     draft, n, cu, b, out, num_accepted = _prepare(draft_token_ids, cu_num_draft, max_num_draft)
     if target_argmax.shape != (n + b,):
         raise ValueError(f"target_argmax must be [num_draft + B], got {tuple(target_argmax.shape)}")
@@ -167,20 +167,14 @@ def rejection_sample_triton(draft_token_ids: torch.Tensor, cu_num_draft: torch.T
                             draft_probs: torch.Tensor | None, target_probs: torch.Tensor, uniform: torch.Tensor,
                             exponential: torch.Tensor, *, max_num_draft: int | None = None,
                             block_v: int = 1024) -> VerifyResult:
-    """Same as ``verify.rejection_sample`` (bit-identical tokens from the same random inputs).
+    """Same as ``rejection_sampler.rejection_sample`` (bit-identical tokens from the same random inputs).
 
     draft_token_ids [N] int64; cu_num_draft [B+1]; draft_probs [N, V] or None (one-hot drafts);
     target_probs [N+B, V]; uniform [N] float32; exponential [B, V] float32.
     block_v: V elements per step of the final-token race (a power of two).
     """
     draft, n, cu, b, out, num_accepted = _prepare(draft_token_ids, cu_num_draft, max_num_draft)
-    if target_probs.dim() != 2 or target_probs.shape[0] != n + b:
-        raise ValueError(f"target_probs must be [num_draft + B, V], got {tuple(target_probs.shape)}")
-    vocab = target_probs.shape[1]
-    if draft_probs is not None and tuple(draft_probs.shape) != (n, vocab):
-        raise ValueError(f"draft_probs must be [num_draft, V] = {(n, vocab)}, got {tuple(draft_probs.shape)}")
-    if uniform.shape != (n,) or exponential.shape != (b, vocab):
-        raise ValueError("uniform must be [num_draft] and exponential [B, V]")
+    vocab = check_sampling_shapes(n, b, draft_probs, target_probs, uniform, exponential)
     if b == 0:
         return VerifyResult(output_token_ids=out, num_accepted=num_accepted)
     p = target_probs.to(torch.float32).contiguous()  # [N+B, V]

@@ -1,20 +1,21 @@
-// The decoder layers of one step in one call: the same kernels as engine/model.py's per-op loop
+// The decoder layers of one step in one call: the same kernels as engine/model/transformer.py's per-op loop
 // (packed products, fused norms, RoPE + KV write, paged attention, SiLU), in the same order, so
 // the output is bit-identical; only the Python between them is gone.
 //
-// Why: a B=1 decode step of SmolLM2-135M makes about 300 kernel calls from Python (30 layers of
-// ten), each costing 2-3 us of interpreter and dispatcher time before the kernel starts, beside
-// ~1 ms of attribute lookups and argument checks. Called from C++ they cost nothing measurable.
+// Why: a decode step makes about ten kernel calls per layer from Python, each paying interpreter
+// and dispatcher time before the kernel starts, beside attribute lookups and argument checks: a
+// visible share of a small model's B=1 step. Called from C++ they cost nothing measurable
+// (measured: reports/README.md#engine-measurements).
 //
 //   decoder_layers(h [N, E], x [N, E], weights[6 L], biases[2 L], kv_caches[2 L], ...) -> [N, E]
 //
 // h is the residual stream (updated in place) and x the first layer's normed input. Per layer l:
-//   weights[6l .. 6l+5] = qkv, o, gate_up, down (packed [P, K, 32], engine/linear.py),
+//   weights[6l .. 6l+5] = qkv, o, gate_up, down (packed [P, K, 32], engine/model/linear.py),
 //                         post_norm [E], next_norm [E] (layer l+1's input norm; the final norm
 //                         after the last layer)
 //   biases[2l], biases[2l+1] = the qkv and o biases, or None
 //   kv_caches[2l], kv_caches[2l+1] = the layer's k and v cache [num_blocks, block_size, KVH, D]
-// The rest describe the step as engine/attention_cpu.py's paged_attention_cpu takes it. Returns
+// The rest describe the step as engine/model/attention_cpu.py's paged_attention_cpu takes it. Returns
 // the final-normed hidden states.
 
 #include <ATen/core/Tensor.h>

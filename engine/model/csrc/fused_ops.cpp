@@ -1,6 +1,6 @@
 // The small per-layer ops of a decoder step, fused: each replaces 5-12 torch ops (and as many
 // temporaries) with one pass over the rows. float32, CPU. Built with the other kernels by
-// engine/cpu_kernels.py; engine/layer_ops.py holds the torch reference of each, op for op as
+// engine/model/cpu_kernels.py; engine/model/layer_ops.py holds the torch reference of each, op for op as
 // Hugging Face's Llama, and the tests compare the two.
 //
 //   add_rms_norm_(h [N, E], delta [N, E]?, weight [E], eps) -> [N, E]

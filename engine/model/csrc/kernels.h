@@ -9,7 +9,7 @@
 
 namespace specplan {
 
-// packed_linear.cpp: y [M, N] = x [M, K] W^T (+ bias), W packed by engine/linear.py.
+// packed_linear.cpp: y [M, N] = x [M, K] W^T (+ bias), W packed by engine/model/linear.py.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias);
 
 // fused_ops.cpp

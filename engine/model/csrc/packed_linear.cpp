@@ -1,7 +1,7 @@
 // y = x W^T (+ b) on CPU in float32, over a weight packed once into column panels.
 //
-// Built with paged_attention.cpp into one extension by engine/cpu_kernels.py; registers
-// torch.ops.specplan_linear.packed_linear. engine/linear.py packs the weights and calls it.
+// Built with paged_attention.cpp into one extension by engine/model/cpu_kernels.py; registers
+// torch.ops.specplan_linear.packed_linear. engine/model/linear.py packs the weights and calls it.
 //
 // Why: a decode or verify step multiplies M = 1..~64 rows by every weight of the model, so the
 // step is bound by streaming the weights once from memory. MKL's SGEMM (packed or not) reaches a
@@ -54,10 +54,9 @@ typedef float V __attribute__((vector_size(64), aligned(4)));
 // Rows per register block: MR * 2 accumulators + 2 weight vectors must fit the register file
 // (32 zmm with AVX-512; 16 ymm otherwise, where each V takes two). With AVX-512, 12 rows (26
 // registers) rather than 8: a verify step of 9-12 rows then runs as one pass over the weights
-// instead of two blocks taking turns on each chunk. Measured on Zen 4 (one step's products of
-// SmolLM2-135M, 2 threads, interleaved in one process against MR = 8; outputs unchanged, each
-// row's sum runs over k in the same order): M = 9 0.75-0.90, 10 0.76, 12 0.78-0.88, 16 0.98-1.00,
-// 20 0.92, 24 0.97, 32 0.97-1.04. MR = 10 read 0.79-0.81 at 9-10 rows and 1.04 at 12.
+// instead of two blocks taking turns on each chunk; faster for 9-12 rows, no slower elsewhere
+// (outputs unchanged: each row's sum runs over k in the same order)
+// (measured: reports/README.md#engine-measurements).
 #if defined(__AVX512F__)
 constexpr int MR = 12;
 #else
@@ -69,20 +68,17 @@ constexpr int64_t kMinParallelFloats = 1 << 16;
 constexpr int64_t kGroupRows = 64;
 // k steps per chunk when a group has several blocks: 4 KB of one panel, well inside L1 (32-48 KB);
 // up to kChunkMaxRows rows. Past that (prompt chunks, compute-bound) a block makes one pass over
-// the whole K, re-reading the panel from L2: measured against chunks, M = 256 0.94, M = 512 0.83.
+// the whole K, re-reading the panel from L2, which was faster there than chunks
+// (measured: reports/README.md#engine-measurements).
 constexpr int64_t kChunkK = 32;
 constexpr int64_t kChunkMaxRows = 128;
 // From this many rows on, every pass prefetches the weights kStreamPrefetchBytes ahead of the
 // ones it reads, into L1 (prefetcht0, two lines per k step): with 4 or more rows the multiply is
 // long enough that the hardware prefetcher alone falls behind; with 1-3 it runs the plain stream
-// best alone. Measured here (Zen 5, one step's products of SmolLM2-135M: 30 layers + lm_head,
-// 2 threads; A/B in one process against the kernel before): a single block of M = 8 0.88 in a fast
-// spell, 0.95 in a slow one, M = 5 0.86, M = 4 0.97, M = 1-2 0.95-1.01; 4 KB ahead read 0.93 and
-// 16 KB 0.88-0.97 at M = 8. Several blocks, chunked as above with every block prefetching, against
-// one pass per block over the whole K with the next panel prefetched into L2 (fast and slow
-// spells): M = 9 0.87, 12 0.86-0.96, 16 0.94-1.02, 17 0.89-0.92, 20 0.90-0.96, 32-33 0.92-0.96,
-// 40-64 0.98-1.02 (compute-bound there). Chunks of 64 or 128 k steps, 4 or 16 KB ahead, or the
-// prefetch in the first block only read 1.0-1.1x of chunks of 32 at 8 KB.
+// best alone. Several blocks are chunked as above with every block prefetching, which beat one
+// pass per block over the whole K up to the compute-bound sizes; chunks of 32 k steps at 8 KB
+// ahead beat longer chunks, other distances and prefetching in the first block only
+// (measured: reports/README.md#engine-measurements).
 constexpr int64_t kStreamPrefetchMinRows = 4;
 constexpr int64_t kStreamPrefetchBytes = 8192;
 

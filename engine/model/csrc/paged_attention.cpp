@@ -1,8 +1,9 @@
 // Paged attention on CPU, read straight from the block-paged KV cache.
 //
-// Built and loaded by engine/attention_cpu.py (torch.utils.cpp_extension.load); registers the op
-// torch.ops.specplan_attn.paged_attention_cpu. Semantics match engine/attention.py's
-// paged_attention (causal, optional sliding window, GQA) for requests WITHOUT tree masks.
+// Built into one extension with the other kernels by engine/model/cpu_kernels.py; registers the
+// op torch.ops.specplan_attn.paged_attention_cpu, which engine/model/attention_cpu.py calls.
+// Semantics match engine/model/attention.py's paged_attention (causal, optional sliding window,
+// GQA) for requests WITHOUT tree masks.
 //
 // Layouts:
 //   q             [N, H, D]                          contiguous, float32 or float64
@@ -65,11 +66,9 @@ constexpr int64_t kPrefetchBlocks = 2;  // generic loops: KV blocks fetched ahea
 // Fast path: the (block, KV head) pair whose keys and values are fetched while this one is
 // computed, this many pairs ahead, one row per key computed (RowPrefetch). Fetching a whole block
 // at once before its math (as the generic loops do) filled the core's miss buffers and stalled the
-// math behind the fetch, so fetch and math took turns. Measured here, 30 layers of SmolLM2-135M
-// attention, 2 threads, the two ways alternated in one process (median of 6 x 5 steps; block
-// fetch -> row fetch): B=32 context 256 blocks in order 17.7 -> 15.2 ms, scattered 37.7 -> 22.0;
-// B=8 scattered 7.9 -> 4.2; B=4 4.5 -> 2.6; B=1 0.90 -> 0.73; B=1 T=9 3.8 -> 3.5; B=1 context
-// 4096 19.8 -> 11.2. One pair ahead was as good at B=32 (15-17 ms scattered), three or four worse.
+// math behind the fetch, so fetch and math took turns. Row fetch was faster at every batch size
+// and context tried, most with scattered blocks; one pair ahead did as well at B=32, three or
+// four did worse (measured: reports/README.md#engine-measurements).
 constexpr int64_t kPrefetchUnits = 2;
 constexpr int64_t kItemsPerThread = 4;     // fewer (request, chunk) items per thread: split by KV head
 constexpr int64_t kMinItemsPerThread = 2;  // still fewer: split the query rows finer
@@ -682,8 +681,8 @@ void run(const Args<T>& a, const std::vector<WorkItem>& items) {
   };
   // Waking a second thread costs microseconds (more when the cores are busy), so only a tiny step
   // stays on the calling thread. Decode attention waits on memory, not arithmetic: from a few
-  // hundred keys a second thread's loads pay (B=4 over 256 keys: 6.96 -> 4.34 ms for 30 layers,
-  // B=1: 1.40 -> 1.11 ms, against a threshold of 4096).
+  // hundred keys a second thread's loads pay, even at B=1
+  // (measured: reports/README.md#engine-measurements).
   int64_t total_cost = 0;
   for (const WorkItem& it : items) total_cost += it.cost * (it.kv_end - it.kv_begin);
   constexpr int64_t kMinParallelCost = 1 << 8;  // query rows x keys x KV heads
