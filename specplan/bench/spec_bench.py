@@ -62,11 +62,6 @@ ROW_COLUMNS = (
 # --- F32 GGUF for llama.cpp -------------------------------------------------------------------
 
 
-def _cache_root(cache_dir: Path | None = None) -> Path:
-    root = cache_dir or os.environ.get("SPECPLAN_CACHE") or Path.home() / ".cache" / "specplan"
-    return Path(root).expanduser()
-
-
 def _file_key(path: Path) -> str:
     h = hashlib.sha256(f"specplan-f32-gguf-v{F32_GGUF_FORMAT}:".encode())
     with open(path, "rb") as f:
@@ -86,13 +81,13 @@ def f32_gguf(source: Path | str | None = None, cache_dir: Path | None = None) ->
     from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
     from gguf.quants import dequantize
 
-    if source is None:
-        from specplan.engine.model.loader import default_model_path
+    from specplan.engine.model.loader import cache_root, default_model_path
 
+    if source is None:
         source = default_model_path()
     source = Path(source)
     stem = source.stem.split(".")[0] if "." in source.stem else source.stem
-    target = _cache_root(cache_dir) / "gguf-f32" / f"{stem}-{_file_key(source)}.F32.gguf"
+    target = cache_root(cache_dir) / "gguf-f32" / f"{stem}-{_file_key(source)}.F32.gguf"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -514,7 +509,7 @@ def _default_command(out_dir, prompts_per_workload, max_new_tokens, repeats, ks,
     args = (f"out_dir=Path({str(out_dir)!r}), prompts_per_workload={prompts_per_workload}, "
             f"max_new_tokens={max_new_tokens}, repeats={repeats}, ks={tuple(ks)!r}, proposers={tuple(proposers)!r}, "
             f"include_hf={include_hf}, include_llama_cpp={include_llama_cpp}")
-    code = f"from pathlib import Path; from specplan.profiler.spec_bench import run_spec_bench; run_spec_bench({args})"
+    code = f"from pathlib import Path; from specplan.bench.spec_bench import run_spec_bench; run_spec_bench({args})"
     return f'python -c "{code}"' if '"' not in code and "$" not in code else f"python -c {shlex.quote(code)}"
 
 
