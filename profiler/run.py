@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from rich.progress import Progress
 
-from specplan.engine.model.loader import LoadedModel, load_model
+from specplan.engine.model.loader import LoadedModel, cache_root, load_model
 from specplan.engine.model_runner import ModelRunner, ScheduledSeq
 
 from .ceilings import Ceilings, measure_ceilings
@@ -210,9 +210,7 @@ def run_profile(model: str | None = None, quick: bool = True, out: Path | None =
 
 
 def profile_cache_dir() -> Path:
-    import os
-
-    return Path(os.environ.get("SPECPLAN_CACHE", Path.home() / ".cache" / "specplan")) / "profiles"
+    return cache_root() / "profiles"
 
 
 def default_profile_path(fp) -> Path:

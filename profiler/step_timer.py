@@ -74,7 +74,7 @@ class StepTimer:
     """Holds B decoding sequences in an engine and times steps of chosen widths over them."""
 
     def __init__(self, engine: LLMEngine, seed: int = 0):
-        if engine.speculator is None:
+        if engine.config.spec is None:
             raise ValueError("the step timer needs an engine built with speculation enabled")
         self.engine = engine
         self.decider = ForcedK()

@@ -255,7 +255,7 @@ def sweep(
     if not names:
         fail("--policies is empty")
     try:
-        from specplan.policies.registry import make_policy
+        from specplan.policies import make_policy
 
         for p in names:
             make_policy(p)
@@ -289,7 +289,7 @@ def report(
     """Render <out>/report.md and its plots from a sweep's stored results (no re-run)."""
     import dataclasses
 
-    from specplan.bench.sweep import SLA
+    from specplan.bench.sla import SLA
     from specplan.bench.sweep_report import load_results, render_report
 
     sla = None

@@ -178,7 +178,7 @@ def test_null_control_reads_off_against_itself_and_is_not_a_policy(tmp_path):
 
 
 def test_accepted_lengths_worked_example():
-    """specplan/clairvoyant.py's example: drafts that match the reference, per output length."""
+    """specplan/bench/clairvoyant.py's example: drafts that match the reference, per output length."""
     from specplan.bench.clairvoyant import accepted_lengths
 
     table = accepted_lengths(NgramProposer(), [[1, 5, 7, 9]], [[5, 7, 2]], max_k=8)

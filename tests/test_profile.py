@@ -185,3 +185,22 @@ def test_forced_k_drafts_for_the_first_requests_only_when_asked():
     assert ForcedK(1, drafting=3).decide(view) == [1, 1, 1, 0]
     assert ForcedK(1, drafting=9).decide(view) == [1, 1, 1, 1]
     assert ForcedK(1, drafting=0).decide(view) == [0, 0, 0, 0]
+
+
+def test_profiles_are_cached_under_the_one_cache_root(tmp_path, monkeypatch):
+    from specplan.engine.model.loader import cache_root
+    from specplan.profiler.run import profile_cache_dir
+
+    monkeypatch.setenv("SPECPLAN_CACHE", str(tmp_path))
+    assert cache_root() == tmp_path and profile_cache_dir() == tmp_path / "profiles"
+    assert cache_root(tmp_path / "given") == tmp_path / "given"
+
+
+def test_machine_info_names_the_machine_and_missing_libraries():
+    from specplan.profiler.machine import describe, machine_info
+
+    info = machine_info(libraries=("specplan_no_such_library",))
+    assert info["cpu"] and info["cores"] >= 1 and info["torch_threads"] >= 1
+    assert info["specplan_no_such_library"] is None
+    assert describe(info).startswith(f"Machine: cpu {info['cpu']}, cores {info['cores']}, ")
+    assert "specplan_no_such_library" not in describe(info)

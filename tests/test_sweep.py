@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import chat_tokenizer, loaded_from_hf, tiny_hf_model
-from specplan.bench.sweep import (SLA, StreamResult, arrival_times, is_good, max_load_meeting, meets_itl_sla,
-                            parse_sse_line, request_timings, summarize_level)
+from specplan.bench.arrivals import arrival_times
+from specplan.bench.client import StreamResult, parse_sse_line
+from specplan.bench.sla import SLA, is_good, max_load_meeting, meets_itl_sla, request_timings, summarize_level
 from specplan.bench.sweep_report import evaluate_checks, render_report
 
 

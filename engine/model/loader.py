@@ -214,7 +214,9 @@ def _as_ids(value: Any) -> list[int]:
 # --- GGUF files -----------------------------------------------------------------------------
 
 
-def _cache_root(cache_dir: Path | None) -> Path:
+def cache_root(cache_dir: Path | None = None) -> Path:
+    """Where specplan keeps what it makes once and reuses (converted models, profiles):
+    ``cache_dir`` if given, else ``$SPECPLAN_CACHE``, else ~/.cache/specplan."""
     root = cache_dir or os.environ.get("SPECPLAN_CACHE") or Path.home() / ".cache" / "specplan"
     return Path(root).expanduser()
 
@@ -255,7 +257,7 @@ def _gguf_to_cached_hf_dir(gguf: Path, cache_dir: Path | None) -> Path:
     """The Hugging Face-format cache directory for `gguf`, converting it first if needed."""
     _check_gguf_magic(gguf)
     safe_name = re.sub(r"[^A-Za-z0-9._-]", "_", _gguf_display_name(gguf))
-    target = _cache_root(cache_dir) / "gguf" / f"{safe_name}-{_gguf_cache_key(gguf)}"
+    target = cache_root(cache_dir) / "gguf" / f"{safe_name}-{_gguf_cache_key(gguf)}"
     # Directories appear only by an atomic rename of a finished conversion, so one that exists is complete.
     if (target / "config.json").is_file():
         return target

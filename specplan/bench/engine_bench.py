@@ -21,16 +21,14 @@ import torch
 from rich.progress import Progress
 
 from specplan.engine import LLM, SamplingParams
-from specplan.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from specplan.engine.engine import LLMEngine
 from specplan.engine.model.loader import LoadedModel, load_model
-
 from specplan.profiler.ceilings import BandwidthProbe, Ceilings, measure_ceilings
 from specplan.profiler.cost_model import decode_step_cost
+from specplan.profiler.machine import describe, machine_info
 from specplan.profiler.step_timer import StepTimer, timing_engine
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-TOKENS_PER_SEQ = (1, 2, 3, 5, 8, 9)  # 8: the issue's verify-width target; 9: k_max + 1
+TOKENS_PER_SEQ = (1, 2, 3, 5, 8, 9)  # 8: the verify-width target (B=1, T=8 within 1.4x of T=1); 9: k_max + 1
 
 
 class HFStepTimer:
@@ -161,7 +159,9 @@ def run_generation(loaded: LoadedModel, hf_model, prompt: str, new_tokens: int =
 
 
 def render_engine_report(grid: pd.DataFrame, generation: pd.DataFrame, ceilings: Ceilings, model_name: str,
-                         out_dir: Path, command: str) -> Path:
+                         out_dir: Path, command: str, machine: dict | None = None) -> Path:
+    """Write engine-speed.md (the targets, generation and the step grid), engine-speed.png and
+    engine-speed.json under ``out_dir``; ``machine``: ``machine_info()`` of the run, if recorded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,6 +193,7 @@ def render_engine_report(grid: pd.DataFrame, generation: pd.DataFrame, ceilings:
         f"# Engine speed: {model_name}", "",
         f"Measured by `{command}` on {ceilings.threads} CPU threads ({ceilings.device}, {ceilings.dtype}).",
         "Each cell: median of repeats, specplan and Hugging Face transformers timed alternately in the same run.",
+        *([describe(machine)] if machine else []),
         "", "## Ceilings", "",
         f"peak matmul {ceilings.peak_flops / 1e9:.0f} GFLOP/s, read bandwidth {ceilings.bandwidth / 1e9:.1f} GB/s, "
         f"ridge {ceilings.ridge:.1f} FLOP/byte.",
@@ -239,7 +240,7 @@ def render_engine_report(grid: pd.DataFrame, generation: pd.DataFrame, ceilings:
     path = out_dir / "engine-speed.md"
     path.write_text("\n".join(lines) + "\n")
     payload = {"ceilings": asdict(ceilings), "grid": grid.to_dict(orient="records"),
-               "generation": generation.to_dict(orient="records"), "command": command}
+               "generation": generation.to_dict(orient="records"), "command": command, "machine": machine}
     (out_dir / "engine-speed.json").write_text(json.dumps(payload, indent=1, default=float))
     return path
 
@@ -248,6 +249,7 @@ def run_engine_bench(out_dir: Path = Path("reports"), model: str | None = None, 
                      batch_sizes=BATCH_SIZES, tokens_per_seq=TOKENS_PER_SEQ, context: int = 256,
                      new_tokens: int = 128, include_hf: bool = True, llama_cpp_gguf: Path | None = None,
                      progress: bool = True, command: str = "specplan bench engine") -> Path:
+    machine = machine_info(libraries=("transformers", "llama_cpp"))
     loaded = load_model(model)
     probe = BandwidthProbe()  # one 1 GB probe for the ceilings and the readings beside the steps
     ceilings = measure_ceilings(probe=probe)
@@ -255,4 +257,4 @@ def run_engine_bench(out_dir: Path = Path("reports"), model: str | None = None, 
     grid = run_step_grid(loaded, hf_model, ceilings, batch_sizes, tokens_per_seq, context, repeats, progress, probe)
     prompt = "def quicksort(arr):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
     generation = run_generation(loaded, hf_model, prompt, new_tokens, max(3, repeats), llama_cpp_gguf, progress)
-    return render_engine_report(grid, generation, ceilings, loaded.name, out_dir, command)
+    return render_engine_report(grid, generation, ceilings, loaded.name, out_dir, command, machine=machine)

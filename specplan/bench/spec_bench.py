@@ -1,4 +1,4 @@
-"""Speculative decoding side by side: specplan vs Hugging Face transformers vs llama.cpp (issue 3).
+"""Speculative decoding side by side: specplan vs Hugging Face transformers vs llama.cpp.
 
 One run measures, at batch 1, greedy, ``max_new_tokens`` new tokens with EOS ignored (so every
 method emits the same number of tokens), on code (HumanEval), summarization (XSum) and chat
@@ -19,8 +19,9 @@ outputs must be token-for-token identical to its plain greedy output: that is ch
 and, with ``strict``, raised after the report is written.
 
 ``run_spec_bench`` measures; ``render_spec_report`` turns the rows into reports/spec-bench.md, a
-bar chart per workload, JSON and parquet; ``target_verdicts`` computes the issue's target
-(specplan's best static k >= llama.cpp's best prompt lookup, on code and on summarization).
+bar chart per workload, JSON and parquet; ``target_verdicts`` checks the target these runs are
+read against: specplan's best static k at least as fast as llama.cpp's best prompt lookup, on
+code and on summarization.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -43,10 +43,11 @@ from typing import Any
 
 import pandas as pd
 
-from .workloads import KINDS, Prompt, load_workload
+from specplan.bench.workloads import KINDS, Prompt, load_workload
+from specplan.profiler.machine import describe, load_average, machine_info
 
 BENCH_WORKLOADS = ("humaneval", "xsum", "mtbench")  # code, summarization, chat
-TARGET_WORKLOADS = ("humaneval", "xsum")  # where the issue's target applies
+TARGET_WORKLOADS = ("humaneval", "xsum")  # code and summarization: where the target above applies
 HF_LOOKUPS = (3, 10)  # transformers prompt_lookup_num_tokens
 LLAMA_CPP_LOOKUPS = (2, 10)  # LlamaPromptLookupDecoding(num_pred_tokens=...)
 F32_GGUF_FORMAT = 1  # part of the F32 GGUF cache key; bump when the conversion changes
@@ -60,11 +61,6 @@ ROW_COLUMNS = (
 
 
 # --- F32 GGUF for llama.cpp -------------------------------------------------------------------
-
-
-def _cache_root(cache_dir: Path | None = None) -> Path:
-    root = cache_dir or os.environ.get("SPECPLAN_CACHE") or Path.home() / ".cache" / "specplan"
-    return Path(root).expanduser()
 
 
 def _file_key(path: Path) -> str:
@@ -86,13 +82,13 @@ def f32_gguf(source: Path | str | None = None, cache_dir: Path | None = None) ->
     from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
     from gguf.quants import dequantize
 
-    if source is None:
-        from specplan.engine.model.loader import default_model_path
+    from specplan.engine.model.loader import cache_root, default_model_path
 
+    if source is None:
         source = default_model_path()
     source = Path(source)
     stem = source.stem.split(".")[0] if "." in source.stem else source.stem
-    target = _cache_root(cache_dir) / "gguf-f32" / f"{stem}-{_file_key(source)}.F32.gguf"
+    target = cache_root(cache_dir) / "gguf-f32" / f"{stem}-{_file_key(source)}.F32.gguf"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +157,6 @@ def _specplan_methods(loaded: Any, ks: Sequence[int], proposers: Sequence[str]) 
     earlier output there.
     """
     from specplan.engine.llm import LLM
-    from specplan.engine.proposers.factory import make_proposer
     from specplan.engine.sampling import SamplingParams
 
     kv_bytes = 96 * 1024**2  # ~2,000 tokens of KV for the default model: one prompt plus its output
@@ -169,10 +164,9 @@ def _specplan_methods(loaded: Any, ks: Sequence[int], proposers: Sequence[str]) 
 
     def runner(llm: Any, k: int | None) -> Callable[[list[int], int], Result]:
         def run(ids: list[int], n: int) -> Result:
-            eng = llm.engine
-            if eng.speculator is not None and eng.speculator.proposer.name in ("ngram", "suffix"):
-                eng.speculator.proposer = make_proposer(eng.config.spec, None, eng.runner, eng.block_manager,
-                                                        eng.default_generator)
+            spec = llm.engine.config.spec
+            if spec is not None and spec.proposer in ("ngram", "suffix"):
+                llm.engine.set_proposer()  # a fresh one: an empty suffix cache
             params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, num_speculative_tokens=k)
 
             def go():
@@ -308,39 +302,6 @@ def _prefix_agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
-def machine_info() -> dict:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "platform": platform.platform()}
-    try:
-        mem = Path("/proc/meminfo").read_text().split()
-        info["memory_gib"] = round(int(mem[1]) / 1024**2, 1)
-    except (OSError, IndexError, ValueError):
-        pass
-    for mod in ("transformers", "llama_cpp"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:
-            info[mod] = None
-    return info
-
-
-def _load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def run_spec_bench(
     out_dir: Path = Path("reports"),
     prompts_per_workload: int = 1,
@@ -369,7 +330,7 @@ def run_spec_bench(
 
     console = Console(stderr=True, quiet=not progress)
     started = time.time()
-    load_before = _load_average()
+    load_before = load_average()
     notes: list[str] = []
     ks = tuple(dict.fromkeys(int(k) for k in ks))
     if any(k < 0 for k in ks):
@@ -488,12 +449,12 @@ def run_spec_bench(
     meta = {
         "command": command or _default_command(out_dir, prompts_per_workload, max_new_tokens, repeats, ks, proposers,
                                                include_hf, include_llama_cpp),
-        "machine": machine_info(),
+        "machine": machine_info(libraries=("transformers", "llama_cpp")),
         "settings": {"prompts_per_workload": prompts_per_workload, "max_new_tokens": max_new_tokens,
                      "repeats": repeats, "ks": list(ks), "proposers": list(proposers), "seed": seed,
                      "workloads": list(workloads), "batch_size": 1, "greedy": True, "ignore_eos": True},
         "load_average_before": load_before,
-        "load_average_after": _load_average(),
+        "load_average_after": load_average(),
         "wall_seconds": round(time.time() - started, 1),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "notes": notes,
@@ -514,7 +475,7 @@ def _default_command(out_dir, prompts_per_workload, max_new_tokens, repeats, ks,
     args = (f"out_dir=Path({str(out_dir)!r}), prompts_per_workload={prompts_per_workload}, "
             f"max_new_tokens={max_new_tokens}, repeats={repeats}, ks={tuple(ks)!r}, proposers={tuple(proposers)!r}, "
             f"include_hf={include_hf}, include_llama_cpp={include_llama_cpp}")
-    code = f"from pathlib import Path; from specplan.profiler.spec_bench import run_spec_bench; run_spec_bench({args})"
+    code = f"from pathlib import Path; from specplan.bench.spec_bench import run_spec_bench; run_spec_bench({args})"
     return f'python -c "{code}"' if '"' not in code and "$" not in code else f"python -c {shlex.quote(code)}"
 
 
@@ -551,7 +512,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def target_verdicts(df: pd.DataFrame, workloads: Sequence[str] = TARGET_WORKLOADS) -> list[dict]:
-    """The issue's target per workload: specplan's best static k (any proposer, any k measured)
+    """The target per workload: specplan's best static k (any proposer, any k measured)
     against llama.cpp's best prompt-lookup tokens/s. ``passed`` is None when either is missing."""
     s = summarize(df)
     out = []
@@ -636,7 +597,7 @@ def render_spec_report(df: pd.DataFrame, out_dir: Path = Path("reports"), meta: 
         lines.append("")
     lines += ["Command:", "", "```", meta.get("command", "(not recorded)"), "```", ""]
     if machine:
-        lines.append("Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if v is not None) + ".")
+        lines.append(describe(machine))
         lines.append("")
     if meta.get("load_average_before") is not None:
         lines.append(f"Load average (1/5/15 min) before: {meta['load_average_before']}, after: "

@@ -2,8 +2,11 @@
 (``sweep.json``, ``levels.parquet``, ``requests.parquet``); no re-run needed.
 
 The written summary is computed from the data: which policy wins at each load and by how much,
-the highest load each policy sustains within the ITL SLA, and the issue's three checks, each
-marked PASS / FAIL (or N/A when the sweep lacks what a check needs) with the numbers.
+the highest load each policy sustains within the ITL SLA, and three checks of the goodput
+policy against SD off and static k — it sustains the highest load within the p90 ITL SLA; at the
+lowest load its mean TPOT is at most 0.8x off's; at the highest load its throughput is at least
+0.98x off's while static:4 falls below that — each marked PASS / FAIL (or N/A when the sweep
+lacks what a check needs) with the numbers. It reads only stored results and ``sla``'s metrics.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from specplan.bench.sweep import SLA, max_load_meeting, meets_itl_sla, summarize_level
+from specplan.bench.sla import SLA, max_load_meeting, meets_itl_sla, summarize_level
 
 PLOTS = {
     "latency": "latency.png",
@@ -99,7 +102,7 @@ def _fmt_load(x: float | None, unit: str) -> str:
 
 
 def evaluate_checks(levels, policies: Sequence[str], sla: SLA, unit: str = "req/s") -> list[Check]:
-    """The issue's three done-when checks on this sweep's data."""
+    """The goodput policy's three targets (see the module docstring) on this sweep's data."""
     checks = []
     gp = goodput_policy(policies)
     loads = sorted(set(levels["load"]))
@@ -432,9 +435,9 @@ def render_report(out_dir: str | Path, sla: SLA | None = None) -> Path:
     sla_bits = [f"{k} {v:g} ms" for k, v in (("TTFT", sla.ttft_ms), ("ITL", sla.itl_ms), ("TPOT", sla.tpot_ms),
                                              ("E2EL", sla.e2el_ms)) if v is not None]
     L.append(f"SLA: {', '.join(sla_bits) or 'none'}" + (" (re-judged at render time)" if sla != stored else "") + ".")
-    m = config.get("machine", {})
+    m = config.get("machine", {})  # older sweeps named the core count cpu_count
     L.append(f"Run {config.get('started')} – {config.get('finished', '(unfinished)')}, status {config.get('status')}; "
-             f"{m.get('cpu_count')} CPUs, torch {m.get('torch')} with {m.get('torch_threads')} threads, "
+             f"{m.get('cores', m.get('cpu_count'))} CPUs, torch {m.get('torch')} with {m.get('torch_threads')} threads, "
              f"1-min load average at start {_num(m.get('load_avg_1m_at_start'), '.2f')}.")
     if config.get("command"):
         L.append(f"\nCommand: `{config['command']}`")
