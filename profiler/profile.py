@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, field_validator
 
 from .fit import HingeLatencyModel
-from .latency_model import StepShape
+from .latency_model import DraftCost, StepShape
+from .roofline import LinearRoofline
 
 
 class ProfileError(ValueError):
@@ -61,9 +63,8 @@ class FitError(BaseModel):
     num_heldout: int
 
 
-class DraftCost(BaseModel):
-    per_step: float  # seconds per proposing step (a model draft: per forward round)
-    per_token: float  # seconds per draft token (per sequence)
+# Profiles written before the profiler stored the planner's ``DraftCost`` named its fields so.
+_OLD_DRAFT_COST_FIELDS = (("per_step", "per_pass_s"), ("per_token", "per_token_s"))
 
 
 # How the step grid is measured (profiler/run.py). 2: each timed step follows a step of its own
@@ -84,8 +85,25 @@ class Profile(BaseModel):
     max_tokens_per_seq: int
     grid_file: str | None = None  # raw grid (parquet), relative to the profile
 
+    @field_validator("draft_costs", mode="before")
+    @classmethod
+    def _rename_old_draft_cost_fields(cls, costs: Any) -> Any:
+        if not isinstance(costs, dict):
+            return costs
+        renamed = dict(_OLD_DRAFT_COST_FIELDS)
+        return {proposer: {renamed.get(k, k): v for k, v in cost.items()} if isinstance(cost, dict) else cost
+                for proposer, cost in costs.items()}
+
     def model(self) -> HingeLatencyModel:
         return HingeLatencyModel.from_dict(self.latency_model)
+
+    def roofline(self) -> LinearRoofline:
+        """The step's analytic intensity from the cost constants (verify steps: every query token
+        gets a row of logits, so the LM head is priced per token)."""
+        c = self.cost
+        return LinearRoofline(ridge=self.ceilings.ridge, flops_per_token=c.flops_per_token + c.lm_head_flops_per_row,
+                              bytes_per_step=c.weight_bytes, bytes_per_context_token=c.kv_bytes_per_token,
+                              attention_flops=c.attention_flops_per_token_pair)
 
     def predict(self, shape: StepShape) -> float:
         return self.model().predict(shape)
