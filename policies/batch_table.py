@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import PolicyState
+from ..planner.policy import PolicyState
 
 DEFAULT_TABLE: tuple[tuple[int, int], ...] = ((1, 6), (2, 4), (4, 3), (8, 2), (16, 1))
 

@@ -44,6 +44,7 @@ from specplan.engine.model.loader import LoadedModel
 from specplan.engine.proposers.base import Proposer
 from specplan.engine.proposers.factory import make_proposer
 from specplan.planner.from_profile import planner_from_profile
+from specplan.policies import make_policy
 from specplan.profiler.profile import Profile
 from specplan.bench.workloads import load_workload
 
@@ -150,7 +151,8 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
     engine = _engine(loaded, proposer, max(batch_sizes), draft_layers)
     clairvoyant = clairvoyant and proposer in SELF_CONTAINED_PROPOSERS
     deciders = [(f"static:{k}", lambda k=k: FixedDecider(k)) for k in static_ks]
-    deciders += [(p, lambda p=p: planner_from_profile(profile, p, proposer=proposer, max_k=8)) for p in policies]
+    deciders += [(p, lambda p=p: planner_from_profile(profile, make_policy(p), proposer=proposer, max_k=8))
+                 for p in policies]
     if null_control:
         deciders.append((NULL_CONTROL, lambda: FixedDecider(0)))
     rows = []

@@ -570,13 +570,14 @@ def make_decider(policy: str, *, proposer: str, profile: Any, sla: SLA, max_k: i
     if profile is not None:
         from specplan.planner.from_profile import planner_from_profile
 
-        return (planner_from_profile(profile, policy, proposer=proposer, sla_itl_s=sla_s, max_k=max_k),
+        return (planner_from_profile(profile, p, proposer=proposer, sla_itl_s=sla_s, max_k=max_k),
                 f"Planner({policy}, profile latency model, sla_itl_s={sla_s})")
     if p.requires:
         raise ValueError(f"policy {policy!r} needs a latency profile (--profile)")
-    from specplan.planner.controller import Planner
+    from specplan.planner.from_profile import planner_from_profile
 
-    return Planner(p, None, sla_itl_s=sla_s, proposer=proposer, max_k=max_k), f"Planner({policy}, no profile)"
+    return (planner_from_profile(None, p, proposer=proposer, sla_itl_s=sla_s, max_k=max_k),
+            f"Planner({policy}, no profile)")
 
 
 def _needs_profile(policies: Sequence[str]) -> bool:
