@@ -1,25 +1,17 @@
-"""specplan.planner – acceptance estimation, the goodput model, allocation, and the online controller.
-
-``Planner`` is loaded on first use: it imports ``specplan.policies``, whose modules import this
-package's leaf modules (acceptance, goodput, allocate), so importing it eagerly here would make
-the two packages' import order matter.
-"""
+"""specplan.planner – acceptance estimation, the goodput model, the policy interface, and the online
+controller. The decision rules live in specplan.policies, which imports this package (never the
+other way round)."""
 
 from .acceptance import AcceptanceConfig, AcceptanceEstimate, PooledAcceptance, ProposerPrior, RequestAcceptance
-from .allocate import Allocation, allocate
+from .controller import Planner, PlannerConfig
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
+from .from_profile import planner_from_profile
 from .goodput import DraftCost, StepCostModel, expected_tokens, step_goodput
+from .policy import Outcome, Policy, PolicyState, RequestState, Roofline, StepPricing
 from .timing import StepTimingLearner, TimingConfig
 
-__all__ = ["Planner", "AcceptanceConfig", "AcceptanceEstimate", "PooledAcceptance", "ProposerPrior",
-           "RequestAcceptance", "Allocation", "allocate", "DraftSlope", "DraftSlopeConfig", "DriftConfig", "DriftCorrection",
+__all__ = ["Planner", "PlannerConfig", "planner_from_profile", "Policy", "PolicyState", "RequestState", "Outcome",
+           "Roofline", "StepPricing", "AcceptanceConfig", "AcceptanceEstimate", "PooledAcceptance", "ProposerPrior",
+           "RequestAcceptance", "DraftSlope", "DraftSlopeConfig", "DriftConfig", "DriftCorrection",
            "DriftCorrectedLatency", "DraftCost", "StepCostModel", "expected_tokens", "step_goodput",
            "StepTimingLearner", "TimingConfig"]
-
-
-def __getattr__(name: str):
-    if name == "Planner":
-        from .controller import Planner
-
-        return Planner
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,9 +8,9 @@ Two things decide what k drafts are worth, and both are learned here from ``Requ
   each: ``alpha_first`` for the first draft and ``alpha`` for every later one (the alpha of
   docs/design.md §5 when the two are equal). They differ a lot for lookup proposers: a first n-gram
   draft is a guess about whether the text repeats, a later one follows a match that has held so
-  far. Measured on the four workloads (ngram, k = 6, 8 requests each): the first draft is accepted
-  31-42% of the time, each later one 60-85%. One geometric alpha would price the first draft too
-  high and every later draft too low, and so speculate too shallowly where drafts are cheap.
+  far, and is accepted far more often (measured: reports/README.md#planner-measurements). One
+  geometric alpha would price the first draft too high and every later draft too low, and so
+  speculate too shallowly where drafts are cheap.
 * **proposal length** – n-gram and suffix proposers often find nothing, or fewer tokens than asked.
   Counting a draft that never exists would overstate speculation, so we also learn
   ``P(proposal has >= j tokens)`` for each position j, as a product of per-position continuation
@@ -23,9 +23,9 @@ Two things decide what k drafts are worth, and both are learned here from ``Requ
 
 * **match length** – a lookup proposer that drafts before the decision (n-gram, suffix) says how
   many trailing tokens it matched. That predicts acceptance better than anything else it knows:
-  for n-gram on SmolLM2-135M, greedy, after a match of 1, 2, 3, 4-7, 8-15 and 16+ tokens the
-  first draft is accepted 21/51/67/73/87/93% of the time and each later one 63/73/77/82/90/94%
-  (scripts/measure_match_acceptance.py). So the planner keeps one belief per match-length bucket
+  the longer the match, the more often both the first draft and the later ones are accepted,
+  from a poor bet after a 1-token match to an almost sure one after a 16-token one (measured:
+  reports/README.md#planner-measurements). So the planner keeps one belief per match-length bucket
   (``match_bucket``), each with its own prior (``ProposerPrior.by_match_length``), and values a
   draft by the belief of the match that found it: drafts after a 1-token match can stay off
   while those after a 16-token one run deep, in the same request, and can pay even in a
@@ -157,7 +157,8 @@ LOOKUP_PROPOSERS = frozenset({"ngram", "suffix"})
 _MODEL_PRIOR = ProposerPrior(alpha=0.6, p_first=1.0, p_continue=1.0)
 DEFAULT_PRIORS: Mapping[str, ProposerPrior] = MappingProxyType({
     # by_match_length, per match_bucket: measured by scripts/measure_match_acceptance.py
-    # (SmolLM2-135M, greedy, 24 prompts per workload that the evaluation does not use).
+    # (SmolLM2-135M, greedy, 24 prompts per workload that the evaluation does not use;
+    # reports/README.md#planner-measurements).
     "ngram": ProposerPrior(alpha=0.7, p_first=0.6, p_continue=0.85, natural_k_exact_below=8, alpha_first=0.5,
                            by_match_length=((0.2, 0.65), (0.5, 0.75), (0.65, 0.75), (0.73, 0.82), (0.87, 0.9),
                                             (0.93, 0.94))),

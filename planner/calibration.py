@@ -3,8 +3,8 @@
 Each request's posterior is fair over all of its steps, but the policy does not draft on all of
 them: it drafts for the requests, and on the steps, whose estimates look best, and an estimate
 that looks best is more often too high than too low (the winner's curse of choosing on noisy
-numbers). Measured on GSM8K at B = 16 (three runs), the drafted requests accepted only 78-90% of
-the drafts their estimates expected, so a predicted gain of 2-5% a step came out at about zero.
+numbers). So the drafted requests accept fewer drafts than their estimates expected, enough to
+wipe out a small predicted gain (measured: reports/README.md#planner-measurements).
 No single request's posterior can see this; the planner can, by comparing over every drafted
 request-step the accepted drafts with the expected ones, and scaling what each draft is expected to
 yield by that ratio (``factor``) before the policy chooses.

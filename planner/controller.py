@@ -17,18 +17,45 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from ..policies.base import Outcome, Policy, PolicyState, RequestState, Roofline
-from ..policies.registry import make_policy
-from ..profiler.latency_model import LatencyModel, StepShape
+from ..profiler.latency_model import DraftCost, LatencyModel, StepShape
 from .acceptance import (LOOKUP_PROPOSERS, AcceptanceConfig, PooledAcceptance, ProposerPrior, RequestAcceptance,
                          default_prior, match_bucket)
 from .calibration import AcceptanceCalibration, CalibrationConfig
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
-from .goodput import DraftCost, draft_increment, priced_seconds
+from .goodput import draft_increment, priced_seconds
+from .policy import Outcome, Policy, PolicyState, RequestState, Roofline, StepPricing
 from .timing import StepTimingLearner, TimingConfig
 
 if TYPE_CHECKING:  # protocol and data types only; importing the engine package would import torch
     from ..engine.decider import StepRecord, StepView
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The planner's knobs (the defaults are what serving runs with)."""
+
+    max_k: int = 8  # the planner's cap on drafts per request (each request's engine cap applies too)
+    # Refine drafting cost and fixed overhead online from step records (planner/timing.py); off:
+    # drafting costs what the profile says, and overhead is 0.
+    learn_timing: bool = True
+    forget_after_steps: int = 256  # a request unseen for this many steps is forgotten
+    priors: Mapping[str, ProposerPrior] | None = None  # per proposer; default: acceptance.py DEFAULT_PRIORS
+    acceptance: AcceptanceConfig | None = None  # None: the defaults, tracking max_k draft positions
+    calibration: CalibrationConfig | None = CalibrationConfig()  # None: estimates as they are
+    drift: DriftConfig = DriftConfig()
+    draft_slope: DraftSlopeConfig = DraftSlopeConfig()
+    timing: TimingConfig = TimingConfig()
+
+    def __post_init__(self) -> None:
+        if self.max_k < 0:
+            raise ValueError(f"max_k must be >= 0, got {self.max_k}")
+        if self.acceptance is not None and self.acceptance.max_k < self.max_k:
+            raise ValueError(f"acceptance max_k {self.acceptance.max_k} < planner max_k {self.max_k}")
+
+    @property
+    def tracked_acceptance(self) -> AcceptanceConfig:
+        """The acceptance config in force (the default one tracks max_k positions)."""
+        return self.acceptance or AcceptanceConfig(max_k=max(self.max_k, 1))
 
 
 @dataclass
@@ -37,8 +64,8 @@ class _Tracked:
 
     pool_key: tuple[str, str, bool]  # (proposer, workload, greedy)
     # One acceptance belief per match-length bucket (planner/acceptance.py ``match_bucket``; None
-    # for drafts without a match length): after a 1-token n-gram match a first draft is accepted
-    # ~20% of the time, after a 4-token one ~80%, and a request's drafts mix both.
+    # for drafts without a match length): a first draft after a short n-gram match is accepted far
+    # less often than after a long one, and a request's drafts mix both.
     by_match: dict[int | None, RequestAcceptance] = field(default_factory=dict)
     last_outcome: Outcome | None = None
     last_seen_step: int = 0
@@ -47,59 +74,49 @@ class _Tracked:
 class Planner:
     """A SpecDecider that asks a policy for k per request, from learned acceptance and step cost.
 
-    policy: a Policy or a make_policy spec ("goodput", "static:4", ...).
+    policy: the decision rule (specplan.policies ``make_policy("goodput")``, ...). It is this
+        planner's own: a rule may remember requests between steps (the heuristic does), so give
+        each planner a fresh one.
     latency: the profile's LatencyModel (forward + verify seconds per step shape); required by
         the goodput policy, optional for rules that ignore cost.
+    config: the planner's knobs (``PlannerConfig``).
     sla_itl_s: predicted step time (the ITL of every request in it) must stay under this.
     proposer: the proposer's name for priors; default: the name the engine reports each step.
-    max_k: the planner's cap on drafts per request (each request's engine cap applies too).
-    workload / workload_of: the workload tag for pooled priors: one tag for every request, or a
-        function of the request id.
+    workload: the workload tag for pooled priors: one tag for every request, or a function of
+        the request id (then policies see the step's workload as "mixed").
     draft_cost: drafting time per pass / per draft token (~0 for ngram and suffix; a draft
         model's pass is a fraction of a target step). Refined online when learn_timing is on.
     roofline: step intensity and ridge point, for the roofline policy.
     """
 
-    def __init__(self, policy: Policy | str = "goodput", latency: LatencyModel | None = None, *,
-                 sla_itl_s: float | None = None, proposer: str | None = None, max_k: int = 8,
-                 workload: str = "default", workload_of: Callable[[str], str] | None = None,
-                 draft_cost: DraftCost = DraftCost(), roofline: Roofline | None = None,
-                 learn_timing: bool = True, priors: Mapping[str, ProposerPrior] | None = None,
-                 acceptance: AcceptanceConfig | None = None, drift: DriftConfig = DriftConfig(),
-                 timing: TimingConfig = TimingConfig(), draft_slope: DraftSlopeConfig = DraftSlopeConfig(),
-                 calibration: CalibrationConfig | None = CalibrationConfig(), forget_after_steps: int = 256):
-        if max_k < 0:
-            raise ValueError(f"max_k must be >= 0, got {max_k}")
+    def __init__(self, policy: Policy, latency: LatencyModel | None = None, *,
+                 config: PlannerConfig = PlannerConfig(), sla_itl_s: float | None = None,
+                 proposer: str | None = None, workload: str | Callable[[str], str] = "default",
+                 draft_cost: DraftCost = DraftCost(), roofline: Roofline | None = None):
         if sla_itl_s is not None and not sla_itl_s > 0:
             raise ValueError(f"sla_itl_s must be > 0, got {sla_itl_s}")
-        self.policy: Policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.drift = DriftCorrection(drift)
+        self.policy = policy
+        self.config = config
+        self.drift = DriftCorrection(config.drift)
         self.latency = DriftCorrectedLatency(latency, self.drift) if latency is not None else None
-        self.draft_slope = DraftSlope(draft_slope)
+        self.draft_slope = DraftSlope(config.draft_slope)
         # None: the policy sees each request's posterior as is (planner/calibration.py).
-        self.calibration = AcceptanceCalibration(calibration) if calibration is not None else None
+        self.calibration = AcceptanceCalibration(config.calibration) if config.calibration is not None else None
         self._chosen_gains: dict[int, tuple[float, ...]] = {}  # seq_id -> last decided draft gains, uncalibrated
         self.roofline = roofline
-        missing = [f for f in self.policy.requires if getattr(self, f, None) is None]
+        missing = [f for f in policy.requires if getattr(self, f, None) is None]
         if missing:
-            raise ValueError(f"policy {self.policy.name!r} needs {', '.join(sorted(missing))}; "
+            raise ValueError(f"policy {policy.name!r} needs {', '.join(sorted(missing))}; "
                              f"pass {', '.join(sorted(missing))}= to the Planner")
         self.sla_itl_s = sla_itl_s
         self.proposer = proposer
-        self.max_k = max_k
-        self.workload = workload
-        self.workload_of = workload_of
-        self.learn_timing = learn_timing
+        self.workload = workload if isinstance(workload, str) else "mixed"
+        self._workload_of = workload if callable(workload) else None
         self.draft_cost_prior = draft_cost
-        self.timing_config = timing
         self.timing: StepTimingLearner | None = None  # made once the proposer's name is known
         if proposer is not None:
             self._timing_for(proposer)
-        self.priors = priors
-        self.acceptance_config = acceptance or AcceptanceConfig(max_k=max(max_k, 1))
-        if self.acceptance_config.max_k < max_k:
-            raise ValueError(f"acceptance max_k {self.acceptance_config.max_k} < planner max_k {max_k}")
-        self.forget_after_steps = forget_after_steps
+        self.acceptance_config = config.tracked_acceptance
         # Pools per (proposer, workload, greedy, match bucket): sampled requests accept less than
         # greedy ones, drafts from short lookup matches less than from long ones.
         self._pools: dict[tuple[str, str, bool, int | None], PooledAcceptance] = {}
@@ -118,15 +135,15 @@ class Planner:
 
     @property
     def draft_cost(self) -> DraftCost:
-        return self.timing.draft_cost if self.learn_timing and self.timing is not None else self.draft_cost_prior
+        return self.timing.draft_cost if self.config.learn_timing and self.timing is not None else self.draft_cost_prior
 
     @property
     def overhead_s(self) -> float:
-        return self.timing.overhead_s if self.learn_timing and self.timing is not None else 0.0
+        return self.timing.overhead_s if self.config.learn_timing and self.timing is not None else 0.0
 
     def _timing_for(self, proposer: str) -> StepTimingLearner:
         if self.timing is None:
-            self.timing = StepTimingLearner(self.draft_cost_prior, self.timing_config,
+            self.timing = StepTimingLearner(self.draft_cost_prior, self.config.timing,
                                             fit_per_pass=proposer not in LOOKUP_PROPOSERS)
         return self.timing
 
@@ -135,7 +152,7 @@ class Planner:
         key = (proposer, workload, greedy, match)
         p = self._pools.get(key)
         if p is None:
-            prior = (self.priors or {}).get(proposer) or default_prior(proposer)
+            prior = (self.config.priors or {}).get(proposer) or default_prior(proposer)
             if match is not None:
                 prior = prior.for_match(match)
             p = self._pools[key] = PooledAcceptance(prior, self.acceptance_config)
@@ -144,7 +161,7 @@ class Planner:
     def _tracked(self, seq_id: int, request_id: str, proposer: str, greedy: bool = True) -> _Tracked:
         t = self._requests.get(seq_id)
         if t is None:
-            tag = self.workload_of(request_id) if self.workload_of is not None else self.workload
+            tag = self._workload_of(request_id) if self._workload_of is not None else self.workload
             t = self._requests[seq_id] = _Tracked((proposer, tag, greedy))
         return t
 
@@ -156,9 +173,16 @@ class Planner:
             acc = t.by_match[bucket] = RequestAcceptance(self.pool(*t.pool_key, match=bucket))
         return acc
 
+    def _pricing(self, num_decodes: int) -> StepPricing:
+        """What a step of this many decodes costs, as learned so far."""
+        price = self.draft_slope.price(num_decodes)
+        return StepPricing(latency=self.latency, draft_cost=self.draft_cost, overhead_s=self.overhead_s,
+                           draft_slope=price.slope, explore_slope=self.draft_slope.explore_slope(num_decodes, price),
+                           draft_jump=price.jump, draft_baseline=self.draft_slope.has_baseline(num_decodes))
+
     def _forget_stale(self) -> None:
         # Finished requests simply stop appearing; a preempted one may come back, so wait a while.
-        horizon = self._step - self.forget_after_steps
+        horizon = self._step - self.config.forget_after_steps
         for seq_id in [s for s, t in self._requests.items() if t.last_seen_step < horizon]:
             del self._requests[seq_id]
 
@@ -167,17 +191,16 @@ class Planner:
     def decide(self, view: StepView) -> list[int]:
         self._step += 1
         proposer = self.proposer or view.proposer
-        planner_cap = self.max_k
+        planner_cap = self.config.max_k
         step = self._step
         reqs, raw_estimates = [], []
         for rv in view.requests:
             t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
             t.last_seen_step = step
-            acc = self.acceptance(t, getattr(rv, "match_length", None))
+            acc = self.acceptance(t, rv.match_length)
             estimate = acc.estimate()
-            available = getattr(rv, "available_drafts", None)  # proposed before deciding (n-gram, suffix)
-            if available is not None:
-                estimate = estimate.given_available(available)
+            if rv.available_drafts is not None:  # proposed before deciding (n-gram, suffix)
+                estimate = estimate.given_available(rv.available_drafts)
             raw_estimates.append(estimate)
             if self.calibration is not None:
                 estimate = self.calibration.apply(estimate)
@@ -187,15 +210,9 @@ class Planner:
         num_decodes = len(reqs)
         base = StepShape(num_decodes + view.num_prefill_seqs, num_decodes + view.num_prefill_tokens,
                          view.context_tokens)
-        price = self.draft_slope.price(num_decodes)
-        state = PolicyState(requests=tuple(reqs), base=base, proposer=proposer,
-                            workload=self.workload, max_k=planner_cap, latency=self.latency,
-                            draft_cost=self.draft_cost, overhead_s=self.overhead_s,
-                            sla_itl_s=self.sla_itl_s, roofline=self.roofline,
-                            draft_slope=price.slope, explore_slope=self.draft_slope.explore_slope(num_decodes, price),
-                            draft_jump=price.jump,
-                            draft_budget=getattr(view, "draft_budget", None),
-                            draft_baseline=self.draft_slope.has_baseline(num_decodes))
+        state = PolicyState(requests=tuple(reqs), base=base, max_k=planner_cap, proposer=proposer,
+                            workload=self.workload, pricing=self._pricing(num_decodes), sla_itl_s=self.sla_itl_s,
+                            draft_budget=view.draft_budget, roofline=self.roofline)
         ks = self.policy.choose(state)
         if len(ks) != num_decodes:
             raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")
@@ -215,7 +232,7 @@ class Planner:
         total_drafts = deepest = 0
         for rr in record.requests:
             t = self._tracked(rr.seq_id, rr.request_id, proposer)
-            acc = self.acceptance(t, getattr(rr, "match_length", None))
+            acc = self.acceptance(t, rr.match_length)
             acc.observe(rr.k, rr.num_proposed, rr.num_accepted, rr.natural_k)
             touched.add(acc.pool)
             if rr.k > 0:
@@ -229,7 +246,7 @@ class Planner:
             p.refresh()
         if self.latency is not None:
             self._observe_step_time(record, sum(rr.num_proposed for rr in record.requests))
-        if self.learn_timing:
+        if self.config.learn_timing:
             self._timing_for(proposer).observe(record.total_s - record.forward_s - record.verify_s, total_drafts, deepest)
 
     def _observe_step_time(self, record: StepRecord, drafts: int) -> None:

@@ -72,8 +72,8 @@ class DraftSlopeConfig:
     discount: float = 0.98  # per observed decode step: ~50 steps of memory
     unit_increment: float = 0.1  # a step whose drafts add 10% to its predicted time is one unit of evidence
     # The profile's slope (1) counts as this many units. Drafts priced near the floor make small
-    # increments (x ~ 0.05 for 10 drafts at B = 4), and at 1 unit the prior outweighed them: a
-    # machine charging 2.5x the floor was learned as 1.3x (tests/test_planner.py, ``free``).
+    # increments, and at 1 unit the prior outweighed them: a machine charging well above the
+    # floor was learned as charging little more than it (tests/test_planner.py, ``free``).
     prior_units: float = 0.25
     optimism: float = 0.5  # with no evidence, exploration prices drafts at (1 - optimism) x the slope
     min_slope: float = 0.1
@@ -134,8 +134,8 @@ class DraftSlope:
 
     The drift factor fixes the level of the model's predictions; what decides speculation is their
     *slope*: how much a step grows when its decodes carry drafts. A profile fitted over a grid can
-    misprice that growth at one batch size (on this CPU it once put a 2-token step at B=4 at 1.24x a
-    1-token step where 1.06-1.12x was measured), and then the policy never speculates there and
+    misprice that growth at one batch size (price it at a few times what it measures:
+    reports/README.md#planner-measurements), and then the policy never speculates there and
     never learns otherwise. So we learn, per batch-size bucket (powers of two), a slope s with
 
         step(base + n drafts) = r * [T(base) + s * dT(n)]
@@ -147,20 +147,20 @@ class DraftSlope:
     T(base), that is z = r + (r s) x: a line, fitted by discounted least squares over this bucket's
     recent decode steps, plain and speculative alike, with s pulled toward the profile's 1 by
     ``prior_units`` steps' worth of a 10% increment. Why both at once: the level moves with the
-    machine (this VM's bandwidth changes 2x within minutes). Measured against a level taken from
-    plain steps long ago, while the policy speculated on every step since, drafts looked nearly
-    free after the machine sped up (B=4: a slope of 0.3 where +6% per draft was real). Fitted
-    together, the level comes from the same recent steps, and steps with more or fewer drafts tell
-    it apart from the slope. Until a bucket has seen a plain step, s stays at 1.
+    machine (a shared VM's bandwidth can move by a large factor within minutes). Measured against a
+    level taken from plain steps long ago, while the policy speculated on every step since, drafts
+    looked nearly free after the machine sped up, though they were not. Fitted together, the level
+    comes from the same recent steps, and steps with more or fewer drafts tell it apart from the
+    slope. Until a bucket has seen a plain step, s stays at 1.
 
-    The jump: the model's increment can be wrong in shape as well as in scale. On this CPU a fitted
-    profile priced the first draft of a B=1 step at +18% of the step and each further one at +8%,
-    where serving measured about +3% for one draft, +5% for two and +18% for three. One slope
-    cannot fit both ends. So the line has a third term, z = r + (r s) x + (r j) d with d = 1 for a
-    step with drafts: j is what having drafts at all costs beyond the slope, relative to the base
-    step (negative when the model's first draft is too dear), pulled toward 0 by
-    ``jump_prior_units`` steps. Steps with different numbers of drafts tell j from s. Drafts are
-    then priced at max(0, s dT(n) + j T(base)) (``priced_seconds``).
+    The jump: the model's increment can be wrong in shape as well as in scale. A fitted profile
+    can price the first draft of a step far dearer than serving measures it and the further ones
+    cheaper (measured: reports/README.md#planner-measurements). One slope cannot fit both ends.
+    So the line has a third term, z = r + (r s) x + (r j) d with d = 1 for a step with drafts: j
+    is what having drafts at all costs beyond the slope, relative to the base step (negative when
+    the model's first draft is too dear), pulled toward 0 by ``jump_prior_units`` steps. Steps
+    with different numbers of drafts tell j from s. Drafts are then priced at
+    max(0, s dT(n) + j T(base)) (``priced_seconds``).
 
     Exploration: a policy that prices drafts too high turns speculation off and then sees no
     speculative step to learn from. ``explore_slope`` is an optimistic slope for that case,
@@ -215,9 +215,9 @@ class DraftSlope:
         """Whether a plain step of this batch size was seen recently (what speculative steps are
         measured against; the goodput policy takes one when not). Without recent plain steps the
         fit has only steps with drafts, and when their counts vary little it cannot tell the level
-        from the drafts' cost: the prior pulls the slope toward 1 and the level takes the rest.
-        With one plain step at the start only, 10 drafts that cost 12.5% of a B = 4 step were
-        priced at ~7%."""
+        from the drafts' cost: the prior pulls the slope toward 1 and the level takes the rest,
+        and drafts come out priced well under what they cost (measured:
+        reports/README.md#planner-measurements)."""
         b = self._buckets.get(self.bucket(num_seqs))
         return b is not None and b.plain_steps > 0 and b.plain_w >= self.config.fresh_baseline
 

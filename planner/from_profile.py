@@ -1,30 +1,26 @@
-"""A Planner steered by a measured Profile (what `specplan serve --adaptive` and `generate
---adaptive` build)."""
+"""The one way to build a Planner for serving and benchmarks: from a measured Profile (what
+`specplan serve --adaptive` and `generate --adaptive` use), or from none for rules that need no
+latency model."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specplan.policies.roofline import LinearRoofline
-from specplan.profiler.profile import Profile
+from ..profiler.latency_model import DraftCost
+from .controller import Planner, PlannerConfig
+from .policy import Policy
 
-from .goodput import DraftCost
-
-
-def roofline_of(profile: Profile) -> LinearRoofline:
-    """The step's analytic intensity from the profile's cost constants (verify steps: every query
-    token gets a row of logits, so the LM head is priced per token)."""
-    c = profile.cost
-    return LinearRoofline(ridge=profile.ceilings.ridge, flops_per_token=c.flops_per_token + c.lm_head_flops_per_row,
-                          bytes_per_step=c.weight_bytes, bytes_per_context_token=c.kv_bytes_per_token,
-                          attention_flops=c.attention_flops_per_token_pair)
+if TYPE_CHECKING:  # the profile module imports torch; the planner reads the profile by attribute only
+    from ..profiler.profile import Profile
 
 
-def planner_from_profile(profile: Profile, policy: Any = "goodput", *, proposer: str,
-                         sla_itl_s: float | None = None, max_k: int = 8, **options: Any):
-    from .controller import Planner
-
-    measured = profile.draft_costs.get(proposer)
-    draft_cost = DraftCost(per_pass_s=measured.per_step, per_token_s=measured.per_token) if measured else DraftCost()
-    return Planner(policy, profile.model(), sla_itl_s=sla_itl_s, proposer=proposer, max_k=max_k,
-                   draft_cost=draft_cost, roofline=roofline_of(profile), **options)
+def planner_from_profile(profile: Profile | None, policy: Policy, *, proposer: str, sla_itl_s: float | None = None,
+                         max_k: int = 8, **options: Any) -> Planner:
+    """A planner steered by ``profile``'s latency model, drafting cost for ``proposer`` and
+    roofline; with no profile it has none of them (enough for static, heuristic and table rules;
+    the Planner refuses a policy that needs them). ``options``: further ``PlannerConfig`` fields."""
+    config = PlannerConfig(max_k=max_k, **options)
+    if profile is None:
+        return Planner(policy, config=config, sla_itl_s=sla_itl_s, proposer=proposer)
+    return Planner(policy, profile.model(), config=config, sla_itl_s=sla_itl_s, proposer=proposer,
+                   draft_cost=profile.draft_costs.get(proposer, DraftCost()), roofline=profile.roofline())

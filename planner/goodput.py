@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from ..profiler.latency_model import LatencyModel, StepShape
+from ..profiler.latency_model import DraftCost, LatencyModel, StepShape
 from .acceptance import AcceptanceEstimate
 
 
@@ -27,44 +27,20 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def expected_tokens_with_shortfall(estimate: AcceptanceEstimate, k: int) -> float:
-    """E with proposals that may be shorter than k and a first draft accepted at its own rate:
-    1 + sum_{j<=k} P(len >= j) * alpha_first * alpha^(j - 1) (= E(alpha, k) when alpha_first = alpha
-    and every proposal is full)."""
-    return estimate.expected_emitted(k)
-
-
 def with_drafts(base: StepShape, total_drafts: int) -> StepShape:
     """The step's shape when its decodes carry ``total_drafts`` drafts in all: each draft is one
     more query token, and its K/V is read by the step's attention."""
     return StepShape(base.num_seqs, base.num_tokens + total_drafts, base.context_tokens + total_drafts)
 
 
-@dataclass(frozen=True)
-class DraftCost:
-    """Drafting time of one step: a draft model runs one batched pass per draft position.
-
-    ``per_pass_s`` is paid once per position up to the deepest k in the batch (a draft model's
-    forward, a fraction of a target step); ``per_token_s`` once per draft token (lookup work).
-    An n-gram or suffix proposer is ~0 on both.
-    """
-
-    per_pass_s: float = 0.0
-    per_token_s: float = 0.0
-
-    def seconds(self, total_drafts: int, deepest_k: int) -> float:
-        return self.per_pass_s * deepest_k + self.per_token_s * total_drafts
-
-
 # The least a draft adds to a step, as a fraction of the step's average seconds per query token:
 # the latency model's increment is never taken below this. A quick profile's fit can come out
-# flat over the first drafts at small batch sizes (+0.0% for 1, 2 and 4 drafts at B = 1 and 4 in
-# one spell on this CPU). Priced at 0, drafts looked free, and the learned slope
-# (planner/drift.py ``DraftSlope``), a multiple of the increment, could not move it off zero.
-# Measured in the flat region here, a draft adds 0.45 ms to an 18 ms step at B = 1 (2.5% of a
-# token's share) and 0.13-0.25 ms to a 20 ms one at B = 4 (2.6-5%); the floor sits under both,
-# and the slope scales it like any other increment. Per token, not per step: on a GPU at B = 64 a
-# draft adds a sliver of a memory-bound step, and a per-step floor would turn speculation off there.
+# flat over the first drafts at small batch sizes. Priced at 0, drafts looked free, and the learned
+# slope (planner/drift.py ``DraftSlope``), a multiple of the increment, could not move it off zero.
+# The floor sits under what a draft was measured to add in that flat region, and the slope scales
+# it like any other increment. Per token, not per step: on a GPU at a large batch a draft adds a
+# sliver of a memory-bound step, and a per-step floor would turn speculation off there.
+# Measured: reports/README.md#planner-measurements.
 MIN_DRAFT_INCREMENT = 0.02
 
 
@@ -121,11 +97,11 @@ class StepCostModel:
 
     def charged_seconds(self, ks: Sequence[int]) -> float:
         """The seconds the step's decodes are charged: all but the prefill chunks' share. Goodput
-        is the decodes' tokens over these. Over the whole step, a step carrying a 90-token prompt
-        chunk at B = 16 took ~100 ms where a plain one took 17, so each of its decode tokens looked
-        6x as dear as in a plain step, and so did a draft's expected token: the policy put 18
-        drafts into such steps against 7.5 into plain ones, in the compute-bound regime where
-        each costs the most (GSM8K, 48 requests at B = 16)."""
+        is the decodes' tokens over these. Over the whole step, a step carrying a prompt chunk is
+        several times as long as a plain one, so each of its decode tokens looks that much dearer,
+        and a draft's expected token that much more worth its small increment: the policy put far
+        more drafts into such steps than into plain ones, in the compute-bound regime where each
+        costs the most (measured: reports/README.md#planner-measurements)."""
         return self.seconds(ks) - self.shared_s
 
 

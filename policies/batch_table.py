@@ -2,9 +2,10 @@
 TensorRT-LLM's ``draft_len_schedule`` do: a hand-written table, the same for every request.
 
 The table is a list of (largest batch size, k) rows in increasing batch size; a batch larger than
-the last row gets k = 0. The default fits this project's CPU (docs/design.md §7): a step of up to ~8
-query tokens costs little more than one, 16 costs ~1.7x, 32 ~2.7x; so speculate deeply only while
-B * (1 + k) stays small, and stop once the plain batch is itself compute-heavy.
+the last row gets k = 0. The default fits this project's CPU (docs/design.md §7): a step of a few
+query tokens costs little more than one, and past that each token adds to it (measured:
+reports/README.md#planner-measurements); so speculate deeply only while B * (1 + k) stays small,
+and stop once the plain batch is itself compute-heavy.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import PolicyState
+from ..planner.policy import PolicyState
 
 DEFAULT_TABLE: tuple[tuple[int, int], ...] = ((1, 6), (2, 4), (4, 3), (8, 2), (16, 1))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .base import Outcome, PolicyState
+from ..planner.policy import Outcome, PolicyState
 
 
 def next_k(k: int, outcome: Outcome) -> int:

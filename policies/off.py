@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import PolicyState
+from ..planner.policy import PolicyState
 
 
 @dataclass(frozen=True)

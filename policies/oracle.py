@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Hashable, Mapping
 
-from .base import PolicyState
+from ..planner.policy import PolicyState
 
 
 def best_static_k(goodput_by_k: Mapping[int, float]) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from .base import Policy
+from ..planner.policy import Policy
 from .batch_table import BatchTablePolicy, parse_table
 from .goodput import GoodputPolicy
 from .heuristic import HeuristicPolicy

@@ -1,4 +1,5 @@
-"""What the planner needs from a profile: a prediction of one engine step's wall time.
+"""What the planner needs from a profile: a prediction of one engine step's wall time, and what
+drafting adds to it.
 
 A step is summarised by three aggregates (as in SmartSpec's batch-latency model): how many
 sequences it runs, how many query tokens its forward pass processes (decodes, verify tokens and
@@ -26,3 +27,19 @@ class LatencyModel(Protocol):
         """Predicted time of one engine step's forward pass plus verification (StepRecord.forward_s +
         verify_s), in seconds; scheduling and proposing are priced separately by the planner."""
         ...
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """Drafting time of one step, as the profile measured it and the planner prices it.
+
+    ``per_pass_s`` is paid once per draft position up to the deepest k in the batch (a draft
+    model runs one batched pass per position, a fraction of a target step); ``per_token_s`` once
+    per draft token (lookup work). An n-gram or suffix proposer is ~0 on both.
+    """
+
+    per_pass_s: float = 0.0
+    per_token_s: float = 0.0
+
+    def seconds(self, total_drafts: int, deepest_k: int) -> float:
+        return self.per_pass_s * deepest_k + self.per_token_s * total_drafts

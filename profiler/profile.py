@@ -9,14 +9,16 @@ held-out cells and the pure roofline's error, and the measured drafting cost per
 from __future__ import annotations
 
 import json
-import platform
 from pathlib import Path
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, field_validator
 
 from .fit import HingeLatencyModel
-from .latency_model import StepShape
+from .latency_model import DraftCost, StepShape
+from .machine import cpu_name
+from .roofline import LinearRoofline
 
 
 class ProfileError(ValueError):
@@ -61,9 +63,8 @@ class FitError(BaseModel):
     num_heldout: int
 
 
-class DraftCost(BaseModel):
-    per_step: float  # seconds per proposing step (a model draft: per forward round)
-    per_token: float  # seconds per draft token (per sequence)
+# Profiles written before the profiler stored the planner's ``DraftCost`` named its fields so.
+_OLD_DRAFT_COST_FIELDS = (("per_step", "per_pass_s"), ("per_token", "per_token_s"))
 
 
 # How the step grid is measured (profiler/run.py). 2: each timed step follows a step of its own
@@ -84,8 +85,25 @@ class Profile(BaseModel):
     max_tokens_per_seq: int
     grid_file: str | None = None  # raw grid (parquet), relative to the profile
 
+    @field_validator("draft_costs", mode="before")
+    @classmethod
+    def _rename_old_draft_cost_fields(cls, costs: Any) -> Any:
+        if not isinstance(costs, dict):
+            return costs
+        renamed = dict(_OLD_DRAFT_COST_FIELDS)
+        return {proposer: {renamed.get(k, k): v for k, v in cost.items()} if isinstance(cost, dict) else cost
+                for proposer, cost in costs.items()}
+
     def model(self) -> HingeLatencyModel:
         return HingeLatencyModel.from_dict(self.latency_model)
+
+    def roofline(self) -> LinearRoofline:
+        """The step's analytic intensity from the cost constants (verify steps: every query token
+        gets a row of logits, so the LM head is priced per token)."""
+        c = self.cost
+        return LinearRoofline(ridge=self.ceilings.ridge, flops_per_token=c.flops_per_token + c.lm_head_flops_per_row,
+                              bytes_per_step=c.weight_bytes, bytes_per_context_token=c.kv_bytes_per_token,
+                              attention_flops=c.attention_flops_per_token_pair)
 
     def predict(self, shape: StepShape) -> float:
         return self.model().predict(shape)
@@ -119,23 +137,13 @@ def fingerprint(model_config, dtype: torch.dtype, device: str) -> Fingerprint:
     digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return Fingerprint(model=model_config.name, model_config_hash=digest, dtype=str(dtype).removeprefix("torch."),
                        device=str(device), threads=torch.get_num_threads(), torch_version=torch.__version__,
-                       cpu=_cpu_name(), kernels=_kernels(device))
+                       cpu=cpu_name(), kernels=_kernels(device))
 
 
 def _kernels(device: str) -> str:
     from specplan.engine.model.cpu_kernels import build_id
 
     return build_id() if torch.device(device).type == "cpu" else torch.device(device).type
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def check_matches(profile: Profile, current: Fingerprint, path: Path | str) -> list[str]:

@@ -94,7 +94,7 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
         "| proposer | per step (ms) | per token or sequence (ms) |", "|---|---|---|",
     ]
     for name, d in profile.draft_costs.items():
-        lines.append(f"| {name} | {1e3 * d.per_step:.3f} | {1e3 * d.per_token:.4f} |")
+        lines.append(f"| {name} | {1e3 * d.per_pass_s:.3f} | {1e3 * d.per_token_s:.4f} |")
     lines += ["", "## Measured steps on the roofline", "", f"![roofline]({stem.name}-roofline.png)", "",
               f"![ITL]({stem.name}-itl.png)", "",
               "## Distance from the floor", "",

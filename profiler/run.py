@@ -142,18 +142,18 @@ def _measure_cheap_proposers(repeats: int = 200) -> dict[str, DraftCost]:
             t0 = time.perf_counter()
             proposer.propose(seqs, [4] * len(seqs))
             times.append((time.perf_counter() - t0) / len(seqs))
-        costs[proposer.name] = DraftCost(per_step=0.0, per_token=statistics.median(times) / 4)
+        costs[proposer.name] = DraftCost(per_token_s=statistics.median(times) / 4)
     return costs
 
 
 def _fit_draft_rounds(drafts: pd.DataFrame) -> DraftCost:
-    """Layer-skip: a draft round costs a + b * B; per_token is b (per sequence, per round)."""
+    """Layer-skip: a draft round costs a + b * B; per_token_s is b (per sequence, per round)."""
     import numpy as np
 
     b = drafts["batch_size"].to_numpy(dtype=float)
     s = drafts["seconds"].to_numpy(dtype=float)
     slope, intercept = np.polyfit(b, s, 1) if len(set(b)) > 1 else (0.0, float(s.mean()))
-    return DraftCost(per_step=max(float(intercept), 0.0), per_token=max(float(slope), 0.0))
+    return DraftCost(per_pass_s=max(float(intercept), 0.0), per_token_s=max(float(slope), 0.0))
 
 
 def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, drafts: pd.DataFrame,

@@ -46,9 +46,10 @@ def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: t
 def make_planner(loaded: LoadedModel, *, proposer: str, policy: str | None, profile_path: str | None,
                  sla_itl_ms: float | None, max_k: int):
     from specplan.planner.from_profile import planner_from_profile
+    from specplan.policies import make_policy
 
     profile = load_or_make_profile(loaded, profile_path)
-    return planner_from_profile(profile, policy or "goodput", proposer=proposer, max_k=max_k,
+    return planner_from_profile(profile, make_policy(policy or "goodput"), proposer=proposer, max_k=max_k,
                                 sla_itl_s=sla_itl_ms / 1000 if sla_itl_ms is not None else None)
 
 

@@ -19,14 +19,14 @@ import pytest
 
 from specplan.engine.decider import RequestRecord, RequestView, SpecDecider, StepRecord, StepView
 from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, DraftSlopeConfig, DriftCorrection, Planner,
-                              PooledAcceptance, RequestAcceptance, StepCostModel, StepTimingLearner, allocate,
-                              expected_tokens, step_goodput)
+                              PlannerConfig, PolicyState, PooledAcceptance, RequestAcceptance, RequestState,
+                              StepCostModel, StepPricing, StepTimingLearner, expected_tokens, step_goodput)
 from specplan.planner.acceptance import MAX_MATCH_BUCKET, ProposerPrior, default_prior, match_bucket
 from specplan.planner.calibration import AcceptanceCalibration, CalibrationConfig
 from specplan.planner.drift import DraftPrice, DraftSlope
 from specplan.planner.goodput import MIN_DRAFT_INCREMENT, priced_seconds
-from specplan.policies.base import PolicyState, RequestState
-from specplan.policies.goodput import GoodputPolicy
+from specplan.policies import make_policy
+from specplan.policies.goodput import GoodputPolicy, allocate, step_cost
 from specplan.profiler.latency_model import StepShape
 
 from conftest import RidgeLatency
@@ -164,7 +164,7 @@ def test_drafts_known_before_deciding_replace_the_learned_lengths():
     known = allocate([rare.given_available(3), rare.given_available(0)], [3, 0], cost)
     assert known.ks == (1, 0)  # 2.5 / 1.2 = 2.08 beats off (2.0) and two drafts (2.85 / 1.4 = 2.04)
     # The planner applies what the engine shows.
-    planner = Planner("goodput", RidgeLatency(a=1.0, b=0.2, ridge_tokens=2))
+    planner = Planner(make_policy("goodput"), RidgeLatency(a=1.0, b=0.2, ridge_tokens=2))
     shown = StepView((RequestView(0, "r0", 0, 0, 3, True, 3), RequestView(1, "r1", 0, 0, 0, True, 0)), 0, 0, 0,
                      "ngram")
     planner.decide(shown)
@@ -242,7 +242,7 @@ def test_a_step_without_token_budget_gets_no_drafts():
     assert allocate(estimates, [8, 8], cost_for(FLAT, 2)).ks == (8, 3)
     assert allocate(estimates, [8, 8], cost_for(FLAT, 2), max_total_drafts=7).ks == (6, 1)
     assert allocate(estimates, [8, 8], cost_for(FLAT, 2), max_total_drafts=0).ks == (0, 0)
-    planner = Planner("goodput", FLAT, proposer="ngram")
+    planner = Planner(make_policy("goodput"), FLAT, proposer="ngram")
     planner.observe(record([0] * 4, [0.9] * 4, random.Random(0)))  # a plain step: the drafts' baseline
     assert sum(planner.decide(view(4))) > 0
     assert planner.decide(dataclasses.replace(view(4), draft_budget=0)) == [0, 0, 0, 0]
@@ -311,8 +311,8 @@ def test_a_prefill_chunk_does_not_make_decode_tokens_look_dear():
     cost = cost_for(ridge, 4, prefill_tokens=256, context=10)
     assert cost.shared_s == 0.0  # cost_for leaves it to PolicyState: see below
     state = PolicyState(requests=tuple(RequestState(i, f"r{i}", 8, 10, e, None, 0) for i, e in enumerate(poor)),
-                        base=cost.base, proposer="ngram", workload="w", max_k=8, latency=ridge)
-    charged = state.cost_model()
+                        base=cost.base, max_k=8, proposer="ngram", workload="w", pricing=StepPricing(latency=ridge))
+    charged = step_cost(state)
     assert charged.shared_s == pytest.approx(ridge.predict(cost.base) - ridge.predict(StepShape(4, 4, 40)))
     assert allocate(poor, [8] * 4, cost).total_drafts > 0  # the whole step as the denominator
     assert allocate(poor, [8] * 4, charged).ks == (0, 0, 0, 0)
@@ -502,24 +502,24 @@ def record(ks, alphas, rng, *, forward_s=0.03, num_prefill=0, natural=8, total_s
 
 
 def test_planner_is_a_spec_decider_and_needs_a_latency_model_for_goodput():
-    assert isinstance(Planner("goodput", FLAT), SpecDecider)
+    assert isinstance(Planner(make_policy("goodput"), FLAT), SpecDecider)
     with pytest.raises(ValueError, match="latency"):
-        Planner("goodput")
+        Planner(make_policy("goodput"))
     with pytest.raises(ValueError, match="roofline"):
-        Planner("roofline", FLAT)
+        Planner(make_policy("roofline"), FLAT)
     with pytest.raises(ValueError, match="unknown policy"):
-        Planner("fastest", FLAT)
-    assert Planner("static:3").decide(view(2)) == [3, 3]
+        Planner(make_policy("fastest"), FLAT)
+    assert Planner(make_policy("static:3")).decide(view(2)) == [3, 3]
 
 
 def test_planner_on_when_memory_bound_off_when_compute_bound():
     rng = random.Random(7)
-    mem = Planner("goodput", FLAT)
+    mem = Planner(make_policy("goodput"), FLAT)
     for _ in range(20):
         ks = mem.decide(view(4))
         mem.observe(record(ks, [0.8] * 4, rng))
     assert mem.decide(view(4)) == [8] * 4
-    busy = Planner("goodput", COMPUTE_BOUND)
+    busy = Planner(make_policy("goodput"), COMPUTE_BOUND)
     for _ in range(20):
         ks = busy.decide(view(32))
         busy.observe(record(ks, [0.8] * 32, rng, forward_s=0.032))
@@ -533,7 +533,7 @@ def test_planner_slow_start_on_an_unproven_prior():
     (1, then 1 + 1, then 2 + 2, then 4 + 6: the pool has seen 1 + 2 + 4 request-steps, discounted
     to 6.9). A proven pool lets everyone draft."""
     rng = random.Random(3)
-    planner = Planner("goodput", FLAT)
+    planner = Planner(make_policy("goodput"), FLAT)
     planner.observe(record([0] * 16, [0.9] * 16, rng))  # a plain step: the drafts' baseline
     drafting = []
     for _ in range(5):
@@ -548,17 +548,18 @@ def test_planner_slow_start_on_an_unproven_prior():
 
 
 def test_planner_respects_caps_and_sla():
-    planner = Planner("goodput", RidgeLatency(a=0.03, b=0.001, ridge_tokens=4), sla_itl_s=0.035, max_k=6)
+    planner = Planner(make_policy("goodput"), RidgeLatency(a=0.03, b=0.001, ridge_tokens=4), sla_itl_s=0.035,
+                      config=PlannerConfig(max_k=6))
     ks = planner.decide(view(4, max_k=3))
     assert all(k <= 3 for k in ks)
     assert planner.latency.predict(planner.last_state.shape_with(sum(ks))) <= 0.035
-    assert Planner("static:8", max_k=6).decide(view(2, max_k=8)) == [6, 6]
+    assert Planner(make_policy("static:8"), config=PlannerConfig(max_k=6)).decide(view(2, max_k=8)) == [6, 6]
 
 
 def test_planner_closes_the_loop_on_step_time():
     # The profile is 1.3x optimistic; after a few steps the planner's predictions match.
     latency = RidgeLatency(a=0.03, b=0.0005, ridge_tokens=8)
-    planner = Planner("goodput", latency)
+    planner = Planner(make_policy("goodput"), latency)
     rng = random.Random(8)
     for _ in range(60):
         ks = planner.decide(view(8))
@@ -572,7 +573,7 @@ def test_planner_learns_per_request_acceptance():
     # Request 0 copies its prompt (alpha 0.95), request 1 is free chat (0.1): past the ridge only
     # the first earns drafts.
     latency = RidgeLatency(a=0.03, b=0.004, ridge_tokens=2)
-    planner = Planner("goodput", latency)
+    planner = Planner(make_policy("goodput"), latency)
     rng = random.Random(9)
     for _ in range(60):  # a machine that runs as profiled (drafts cost what the model says)
         ks = planner.decide(view(2))
@@ -586,7 +587,7 @@ def test_planner_learns_per_request_acceptance():
 
 
 def test_planner_pools_priors_per_workload():
-    planner = Planner("static:4", workload_of=lambda request_id: request_id.split("-")[0])
+    planner = Planner(make_policy("static:4"), workload=lambda request_id: request_id.split("-")[0])
     rng = random.Random(11)
 
     def tagged(ids):
@@ -617,7 +618,7 @@ def test_planner_learns_acceptance_per_match_length():
     # One request whose drafts after a 1-token match are always rejected and after a 4-token match
     # always accepted: the two beliefs move apart, from the ngram prior, and each drives its own k.
     latency = RidgeLatency(a=0.03, b=0.003)  # each draft adds 10% to a step
-    planner = Planner("goodput", latency)
+    planner = Planner(make_policy("goodput"), latency)
 
     def shown(match: int) -> StepView:
         return StepView((RequestView(0, "r0", 500, 10, 8, True, 8, match),), 0, 0, 500, "ngram")
@@ -639,7 +640,7 @@ def test_planner_learns_acceptance_per_match_length():
     assert short.alpha_first < 0.1 and long.alpha_first > 0.9
     assert planner.decide(shown(1)) == [0] and planner.decide(shown(4)) == [8]
     # Without match lengths the same outcomes blur into one belief in between.
-    blurred = Planner("goodput", latency)
+    blurred = Planner(make_policy("goodput"), latency)
     for step in range(60):
         match = 4 if step % 2 else 1
         rec = outcome(1, match)
@@ -649,7 +650,7 @@ def test_planner_learns_acceptance_per_match_length():
 
 
 def test_planner_feeds_the_heuristic_its_last_outcomes():
-    planner = Planner("heuristic:2")
+    planner = Planner(make_policy("heuristic:2"))
     v = view(2)
     assert planner.decide(v) == [2, 2]
     planner.observe(StepRecord((RequestRecord(0, "r0", 2, 2, 2, 3), RequestRecord(1, "r1", 2, 2, 0, 1)),
@@ -658,19 +659,50 @@ def test_planner_feeds_the_heuristic_its_last_outcomes():
 
 
 def test_planner_forgets_finished_requests():
-    planner = Planner("static:2", forget_after_steps=10)
+    planner = Planner(make_policy("static:2"), config=PlannerConfig(forget_after_steps=10))
     planner.decide(view(8))
     for _ in range(130):
         planner.decide(view(1))
     assert len(planner._requests) == 1
 
 
-def test_planner_does_not_import_torch():
+def test_planner_imports_neither_the_policies_nor_torch():
     import subprocess
-    code = ("import sys; from specplan.planner import Planner; from specplan.policies import make_policy; "
-            "Planner('heuristic').decide; print('torch' in sys.modules)")
+    code = ("import sys; from specplan.planner import Planner, planner_from_profile; "
+            "print(any(m.startswith('specplan.policies') for m in sys.modules)); "
+            "from specplan.policies import make_policy; Planner(make_policy('heuristic')).decide; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_planner_from_profile_prices_drafting_as_measured_in_old_profiles_too():
+    """The profile stores the planner's DraftCost; one written when its fields were named
+    per_step and per_token loads with the same numbers."""
+    import json
+
+    from specplan.planner import planner_from_profile
+    from specplan.profiler.fit import HingeLatencyModel
+    from specplan.profiler.profile import Profile
+
+    fields = {"fingerprint": {"model": "m", "model_config_hash": "h", "dtype": "float32", "device": "cpu",
+                              "threads": 2, "torch_version": "2", "cpu": "c"},
+              "ceilings": {"peak_flops": 1e11, "bandwidth": 2e10, "ridge": 5.0},
+              "cost": {"weight_bytes": 1e6, "flops_per_token": 1e5, "lm_head_flops_per_row": 4e4,
+                       "kv_bytes_per_token": 1e3, "attention_flops_per_token_pair": 1e3},
+              "latency_model": HingeLatencyModel(0.002, (4.0,), (1e-5,), 1e-7, 1e-5).to_dict(),
+              "fit": {"heldout_mape": 5, "train_mape": 4, "roofline_mape": 50, "num_cells": 8, "num_heldout": 2},
+              "max_batch": 16, "max_tokens_per_seq": 9}
+    old = Profile.model_validate_json(json.dumps(
+        {**fields, "draft_costs": {"layer-skip": {"per_step": 0.004, "per_token": 1e-4}}}))
+    assert old.draft_costs == {"layer-skip": DraftCost(per_pass_s=0.004, per_token_s=1e-4)}
+    assert Profile.model_validate_json(old.model_dump_json()) == old  # saved under the new names
+    planner = planner_from_profile(old, make_policy("roofline"), proposer="layer-skip", max_k=4)
+    assert planner.draft_cost_prior == DraftCost(0.004, 1e-4) and planner.roofline == old.roofline()
+    assert planner_from_profile(old, make_policy("static:2"), proposer="ngram").draft_cost_prior == DraftCost()
+    assert planner_from_profile(None, make_policy("static:2"), proposer="ngram").decide(view(2)) == [2, 2]
+    with pytest.raises(ValueError, match="latency"):
+        planner_from_profile(None, make_policy("goodput"), proposer="ngram")
 
 
 def test_decide_overhead_at_b64():
@@ -678,7 +710,7 @@ def test_decide_overhead_at_b64():
     considering) and every request's estimate refreshed by an observe between calls."""
     rng = random.Random(10)
     alphas = [rng.uniform(0.4, 0.95) for _ in range(64)]
-    planner = Planner("goodput", RidgeLatency(a=0.03, b=2e-5, c=1e-9), max_k=8)
+    planner = Planner(make_policy("goodput"), RidgeLatency(a=0.03, b=2e-5, c=1e-9), config=PlannerConfig(max_k=8))
     v = view(64)
     for _ in range(30):
         planner.observe(record(planner.decide(v), alphas, rng))
@@ -717,7 +749,7 @@ def test_planner_steers_the_engine_losslessly():
         prompts.append([rng.randrange(96) for _ in range(5)] + motif * 3)
     params = SamplingParams(max_tokens=30, temperature=0.0)
     expected = [o.token_ids for o in tiny_llm(model).generate(prompts, params)]
-    planner = Planner("goodput", FLAT)
+    planner = Planner(make_policy("goodput"), FLAT)
     llm = tiny_llm(model, speculative_config={"proposer": "ngram", "k": 4, "max_k": 8}, decider=planner)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert planner.num_decisions > 0 and planner.zero_share < 1.0
@@ -843,7 +875,7 @@ def test_prefill_steps_are_no_baseline_for_the_draft_slope():
     against it, the first speculative step would look 4x costlier than the model says, and the
     slope would stick at its cap (seen on XSum at B = 1)."""
     model = RidgeLatency(a=0.02, b=0.0025, ridge_tokens=4)
-    planner = Planner("goodput", model)
+    planner = Planner(make_policy("goodput"), model)
     rng = random.Random(2)
     prompt = StepRecord((), 1, 400, 400, 0, 0.0, 0.9, 0.0, 0.9)  # 400 prompt tokens, slow
     planner.observe(prompt)
@@ -866,9 +898,9 @@ def test_planner_learns_that_an_overpriced_draft_is_cheap():
     machine = _Machine(0.02, 0.0005)
     alphas = [0.7] * 4
     rng = random.Random(5)
-    stuck = Planner("goodput", model, draft_slope=DraftSlopeConfig(optimism=0.0))
+    stuck = Planner(make_policy("goodput"), model, config=PlannerConfig(draft_slope=DraftSlopeConfig(optimism=0.0)))
     assert all(ks == [0] * 4 for ks in _run_planner(stuck, machine, alphas, 30, rng))
-    learner = Planner("goodput", model)
+    learner = Planner(make_policy("goodput"), model)
     chosen = _run_planner(learner, machine, alphas, 30, rng)
     assert chosen[0] == [0] * 4  # plain first: the baseline a probe is measured against
     assert 1 <= sum(chosen[1]) <= 3  # the probe: as many drafts as the exploration budget allows
@@ -885,7 +917,7 @@ def test_planner_learns_what_drafts_cost_when_the_profile_says_they_are_free():
     model = RidgeLatency(a=0.02)  # flat: drafts are free in the model
     machine = _Machine(0.02, 0.00025)
     rng = random.Random(11)
-    planner = Planner("goodput", model)
+    planner = Planner(make_policy("goodput"), model)
     chosen = _run_planner(planner, machine, [0.3] * 4, 150, rng)
     assert chosen[0] == [0] * 4  # a plain step first: the baseline drafts are measured against
     assert max(map(max, chosen[1:10])) >= 5  # priced at the floor, deeper than pays
@@ -902,7 +934,7 @@ def test_planner_probe_on_a_truly_costly_draft_is_bounded_and_stops():
     model = RidgeLatency(a=0.02, b=0.0025, ridge_tokens=4)
     machine = _Machine(0.02, 0.006)
     rng = random.Random(6)
-    planner = Planner("goodput", model)
+    planner = Planner(make_policy("goodput"), model)
     chosen = _run_planner(planner, machine, [0.7] * 4, 40, rng)
     assert 1 <= sum(map(sum, chosen)) <= 4  # one probe of a few drafts, then off for good
     assert all(ks == [0] * 4 for ks in chosen[-30:])
@@ -932,7 +964,7 @@ def test_planner_calibrates_what_its_chosen_drafts_promise():
     latency = RidgeLatency(a=0.03, b=0.0006, ridge_tokens=4)
 
     def run(calibration):
-        planner = Planner("goodput", latency, calibration=calibration)
+        planner = Planner(make_policy("goodput"), latency, config=PlannerConfig(calibration=calibration))
         rng = random.Random(5)
         promised = yielded = 0.0
         for step in range(300):

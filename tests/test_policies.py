@@ -6,12 +6,13 @@ import dataclasses
 
 import pytest
 
+from specplan.planner import Outcome, Policy, PolicyState, RequestState, StepPricing
 from specplan.planner.acceptance import AcceptanceEstimate
-from specplan.policies import (POLICIES, BatchTablePolicy, GoodputPolicy, HeuristicPolicy, LinearRoofline, OffPolicy,
-                               OraclePolicy, Outcome, Policy, PolicyState, RequestState, RooflinePolicy, StaticPolicy,
-                               best_static_k, make_policy)
+from specplan.policies import (POLICIES, BatchTablePolicy, GoodputPolicy, HeuristicPolicy, OffPolicy, OraclePolicy,
+                               RooflinePolicy, StaticPolicy, best_static_k, make_policy)
 from specplan.policies.heuristic import next_k
 from specplan.profiler.latency_model import StepShape
+from specplan.profiler.roofline import LinearRoofline
 
 from conftest import RidgeLatency
 
@@ -32,8 +33,13 @@ def req(i: int, alpha: float = 0.7, *, max_k: int = 8, outcome: Outcome | None =
 def state(requests, *, latency=None, sla=None, roofline=None, prefill_tokens=0, workload="chat") -> PolicyState:
     n = len(requests)
     base = StepShape(n + (1 if prefill_tokens else 0), n + prefill_tokens, 200 * n + prefill_tokens)
-    return PolicyState(requests=tuple(requests), base=base, proposer="ngram", workload=workload, max_k=8,
-                       latency=latency, sla_itl_s=sla, roofline=roofline)
+    return PolicyState(requests=tuple(requests), base=base, max_k=8, proposer="ngram", workload=workload,
+                       pricing=StepPricing(latency=latency), sla_itl_s=sla, roofline=roofline)
+
+
+def without_baseline(s: PolicyState) -> PolicyState:
+    """``s`` with no plain step of its batch size measured recently."""
+    return dataclasses.replace(s, pricing=dataclasses.replace(s.pricing, draft_baseline=False))
 
 
 # ---------------------------------------------------------------------------- simple rules
@@ -103,8 +109,8 @@ def test_goodput_policy_takes_a_plain_step_before_drafting_without_a_baseline():
     policy = GoodputPolicy()
     many = [req(i, alpha=0.9) for i in range(4)]
     assert all(policy.choose(state(many, latency=FLAT)))
-    assert policy.choose(dataclasses.replace(state(many, latency=FLAT), draft_baseline=False)) == [0] * 4
-    chunked = dataclasses.replace(state(many, latency=FLAT, prefill_tokens=64), draft_baseline=False)
+    assert policy.choose(without_baseline(state(many, latency=FLAT))) == [0] * 4
+    chunked = without_baseline(state(many, latency=FLAT, prefill_tokens=64))
     assert all(policy.choose(chunked))
 
 

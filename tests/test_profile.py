@@ -142,10 +142,11 @@ def test_planner_from_profile_steers_the_engine(tiny_profile):
     from conftest import tiny_llm
     from specplan.engine import SamplingParams
     from specplan.planner.from_profile import planner_from_profile
+    from specplan.policies import make_policy
 
     loaded, _, profile = tiny_profile
     for policy in ("goodput", "roofline", "static:3"):
-        planner = planner_from_profile(profile, policy, proposer="ngram", max_k=4)
+        planner = planner_from_profile(profile, make_policy(policy), proposer="ngram", max_k=4)
         from specplan.engine import LLM
 
         llm = LLM(loaded=loaded, dtype=torch.float32, kv_cache_bytes=2**22, block_size=4,

@@ -218,7 +218,7 @@ def _synthetic_profile(loaded):
                                       kv_bytes_per_token=1e3, attention_flops_per_token_pair=1e3),
                    latency_model=latency.to_dict(),
                    fit=FitError(heldout_mape=5, train_mape=4, roofline_mape=50, num_cells=8, num_heldout=2),
-                   draft_costs={"ngram": DraftCost(per_step=0.0, per_token=1e-6)}, max_batch=16, max_tokens_per_seq=9)
+                   draft_costs={"ngram": DraftCost(per_token_s=1e-6)}, max_batch=16, max_tokens_per_seq=9)
 
 
 def test_short_sweep_runs_end_to_end(tmp_path):

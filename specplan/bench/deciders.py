@@ -90,27 +90,20 @@ class KRecorder:
 def make_decider(policy: str, *, proposer: str, profile: Any, sla: SLA, max_k: int) -> tuple[Any, str]:
     """The decider a policy runs with, and a description: off / static:K are fixed deciders (no
     planner in the loop, as serving stacks run them); the rest are the planner with that policy."""
-    from specplan.engine.decider import FixedDecider
-    from specplan.policies import make_policy
+    from specplan.engine import FixedDecider
+    from specplan.planner import planner_from_profile
+    from specplan.policies import OffPolicy, StaticPolicy, make_policy
 
-    p = make_policy(policy)  # validates the spec
-    name = policy.strip().lower()
-    if name == "off":
-        return FixedDecider(0), "FixedDecider(k=0)"
-    if name.startswith("static:"):
-        k = int(name.split(":", 1)[1])
+    rule = make_policy(policy)
+    if isinstance(rule, (OffPolicy, StaticPolicy)):
+        k = rule.k if isinstance(rule, StaticPolicy) else 0
         return FixedDecider(k), f"FixedDecider(k={k})"
-    sla_s = sla.itl_ms / 1000.0 if sla.itl_ms is not None else None
-    if profile is not None:
-        from specplan.planner.from_profile import planner_from_profile
-
-        return (planner_from_profile(profile, p, proposer=proposer, sla_itl_s=sla_s, max_k=max_k),
-                f"Planner({policy}, profile latency model, sla_itl_s={sla_s})")
-    if p.requires:
+    if profile is None and rule.requires:
         raise ValueError(f"policy {policy!r} needs a latency profile (--profile)")
-    from specplan.planner.controller import Planner
-
-    return Planner(p, None, sla_itl_s=sla_s, proposer=proposer, max_k=max_k), f"Planner({policy}, no profile)"
+    sla_s = sla.itl_ms / 1000.0 if sla.itl_ms is not None else None
+    planner = planner_from_profile(profile, rule, proposer=proposer, sla_itl_s=sla_s, max_k=max_k)
+    return planner, (f"Planner({policy}, profile latency model, sla_itl_s={sla_s})" if profile is not None
+                     else f"Planner({policy}, no profile)")
 
 
 def needs_profile(policies: Sequence[str]) -> bool:

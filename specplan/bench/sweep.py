@@ -26,6 +26,7 @@ from specplan.bench.deciders import KRecorder, KTally, make_decider, needs_profi
 from specplan.bench.server_thread import ServerThread
 from specplan.bench.sla import SLA, meets_itl_sla, summarize_level
 from specplan.bench.sweep_report import render_report
+from specplan.policies import StaticPolicy, make_policy
 from specplan.profiler.machine import load_average, machine_info
 
 
@@ -70,7 +71,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
     if mode == "concurrency" and any(x != int(x) or math.isinf(x) for x in loads):
         raise ValueError("concurrency levels must be whole numbers")
     policies = [p.strip() for p in policies]
-    static_ks = [int(p.split(":", 1)[1]) for p in policies if p.lower().startswith("static:")]
+    static_ks = [rule.k for rule in map(make_policy, policies) if isinstance(rule, StaticPolicy)]
     max_k = max([max_k, *static_ks])
     sla = SLA(sla_ttft_ms, sla_itl_ms, sla_tpot_ms, sla_e2el_ms)
     drain = drain_timeout_s if drain_timeout_s is not None else max(60.0, duration_s or 0.0)

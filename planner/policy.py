@@ -1,11 +1,12 @@
-"""The one interface every decision rule implements: ``Policy.choose(state) -> k per request``.
+"""The interface between the planner and its decision rules: ``Policy.choose(state) -> k per request``.
 
 ``PolicyState`` is everything a rule may look at for one engine step, assembled by the planner:
-per-request acceptance estimates and last outcomes, the batch composition (decodes plus the
-prefill chunks already scheduled into the step), the drift-corrected latency model, drafting cost
-and fixed overhead, the ITL SLA, and (for the roofline rule) the step's arithmetic intensity.
-Policies are tensor-free; a policy may keep per-request memory of its own (the heuristic does),
-keyed by ``seq_id``.
+the requests (acceptance estimates and last outcomes), the step's base shape (decodes plus the
+prefill chunks already scheduled into it), what steps cost as the planner has learned it
+(``StepPricing``), the ITL SLA, the engine's draft budget and, for the roofline rule, the step's
+arithmetic intensity. The rules themselves live in specplan.policies and import these types; the
+planner never imports them. Policies are tensor-free; a policy may keep per-request memory of
+its own (the heuristic does), keyed by ``seq_id``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ..planner.acceptance import AcceptanceEstimate
-from ..planner.goodput import DraftCost, StepCostModel, with_drafts
-from ..profiler.latency_model import LatencyModel, StepShape
+from ..profiler.latency_model import DraftCost, LatencyModel, StepShape
+from .acceptance import AcceptanceEstimate
+from .goodput import with_drafts
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class RequestState:
 
 @runtime_checkable
 class Roofline(Protocol):
-    """Arithmetic intensity of a step and the machine's ridge point, both in FLOP per byte."""
+    """Arithmetic intensity of a step and the machine's ridge point, both in FLOP per byte
+    (profiler/roofline.py ``LinearRoofline`` from a profile)."""
 
     ridge: float
 
@@ -53,24 +55,32 @@ class Roofline(Protocol):
 
 
 @dataclass(frozen=True)
-class PolicyState:
-    requests: tuple[RequestState, ...]  # decode-ready requests, in batch order
-    base: StepShape  # the step with k = 0 everywhere: decodes plus prefill chunks already scheduled
-    proposer: str
-    workload: str
-    max_k: int  # the planner's global cap (each request's own is in RequestState.max_k)
-    latency: LatencyModel | None = None  # drift-corrected forward + verify time
+class StepPricing:
+    """What a step costs, as the planner knows it this step (planner/goodput.py ``StepCostModel``
+    turns it into seconds for a choice of drafts)."""
+
+    latency: LatencyModel | None = None  # drift-corrected forward + verify time; None without a profile
     draft_cost: DraftCost = DraftCost()
     overhead_s: float = 0.0  # per-step time outside forward, verify and drafting
-    sla_itl_s: float | None = None  # predicted step time must stay under this
-    roofline: Roofline | None = None
     draft_slope: float = 1.0  # drafts' cost relative to the latency model's increment (learned online)
     explore_slope: float = 1.0  # an optimistic draft_slope while evidence is thin (planner/drift.py)
     draft_jump: float = 0.0  # what a step's having drafts at all costs beyond the slope, x the base step
-    draft_budget: int | None = None  # drafts the step can carry in all (the engine's token budget)
     # Whether a plain decode step of this batch size was measured recently: what the drafts' price
     # is learned against (planner/drift.py ``DraftSlope.has_baseline``).
     draft_baseline: bool = True
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    requests: tuple[RequestState, ...]  # decode-ready requests, in batch order
+    base: StepShape  # the step with k = 0 everywhere: decodes plus prefill chunks already scheduled
+    max_k: int  # the planner's global cap (each request's own is in RequestState.max_k)
+    proposer: str
+    workload: str
+    pricing: StepPricing = StepPricing()
+    sla_itl_s: float | None = None  # predicted step time must stay under this
+    draft_budget: int | None = None  # drafts the step can carry in all (the engine's token budget)
+    roofline: Roofline | None = None
 
     @property
     def batch_size(self) -> int:
@@ -86,22 +96,6 @@ class PolicyState:
         """The step's shape when it carries ``total_drafts`` drafts in all."""
         return with_drafts(self.base, total_drafts)
 
-    def cost_model(self, draft_slope: float | None = None) -> StepCostModel:
-        """The step's cost as a function of its drafts (at the learned slope unless told otherwise)."""
-        if self.latency is None:
-            raise ValueError("this policy needs a latency model (a profile); none was given to the planner")
-        slope = self.draft_slope if draft_slope is None else draft_slope
-        return StepCostModel(self.latency, self.base, self.draft_cost, self.overhead_s, slope, self.draft_jump,
-                             shared_s=self._prefill_seconds())
-
-    def _prefill_seconds(self) -> float:
-        """The base step's time beyond what its decodes alone would take (0 without prefill chunks)."""
-        n = len(self.requests)
-        if n == 0 or self.decode_only:
-            return 0.0
-        decodes = StepShape(n, n, sum(r.context_tokens for r in self.requests))
-        return max(0.0, self.latency.predict(self.base) - self.latency.predict(decodes))
-
     def capped(self, k: int) -> list[int]:
         """The same k for every request, within each request's cap."""
         return [max(0, min(k, r.max_k)) for r in self.requests]
@@ -110,7 +104,8 @@ class PolicyState:
 @runtime_checkable
 class Policy(Protocol):
     name: str  # as make_policy spells it, e.g. "static:4"
-    # PolicyState fields that must not be None for this policy (checked when the planner is built).
+    # What the planner must be given for this policy: "latency" (a latency model, i.e. a profile)
+    # and/or "roofline". Checked when the planner is built.
     requires: frozenset[str]
 
     def choose(self, state: PolicyState) -> list[int]:
