@@ -123,6 +123,7 @@ class Planner:
         self._requests: dict[int, _Tracked] = {}
         self._step = 0
         self.last_state: PolicyState | None = None
+        self.last_ks: list[int] = []  # the latest decision, aligned with last_state.requests
         self.num_decisions = 0  # request-steps decided
         self.num_zero_decisions = 0  # of which k = 0
 
@@ -132,6 +133,16 @@ class Planner:
     def zero_share(self) -> float:
         """Share of request-steps given k = 0 so far (for reports)."""
         return self.num_zero_decisions / self.num_decisions if self.num_decisions else 0.0
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        """Seconds the latest decision's step was predicted to take (the engine's
+        ``PredictsStepTime``; the server exports it beside the measured step time). None before
+        the first decision or without a latency model."""
+        state = self.last_state
+        if state is None or state.pricing.latency is None:
+            return None
+        return state.cost_model().seconds(self.last_ks)
 
     @property
     def draft_cost(self) -> DraftCost:
@@ -219,7 +230,7 @@ class Planner:
         ks = [max(0, min(int(k), r.max_k)) for k, r in zip(ks, reqs)]
         if self.calibration is not None:
             self._chosen_gains = {r.seq_id: e.gains for r, e, k in zip(reqs, raw_estimates, ks) if k}
-        self.last_state = state
+        self.last_state, self.last_ks = state, ks
         self.num_decisions += num_decodes
         self.num_zero_decisions += ks.count(0)
         if step % 64 == 0:

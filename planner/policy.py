@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from ..profiler.latency_model import DraftCost, LatencyModel, StepShape
 from .acceptance import AcceptanceEstimate
-from .goodput import with_drafts
+from .goodput import StepCostModel, with_drafts
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,25 @@ class PolicyState:
     def shape_with(self, total_drafts: int) -> StepShape:
         """The step's shape when it carries ``total_drafts`` drafts in all."""
         return with_drafts(self.base, total_drafts)
+
+    def cost_model(self, draft_slope: float | None = None) -> StepCostModel:
+        """The step's cost as a function of its drafts, at the learned slope unless told otherwise;
+        the prefill chunks' share of the base step is not charged to the decodes."""
+        pricing = self.pricing
+        if pricing.latency is None:
+            raise ValueError("this policy needs a latency model (a profile); none was given to the planner")
+        slope = pricing.draft_slope if draft_slope is None else draft_slope
+        return StepCostModel(pricing.latency, self.base, pricing.draft_cost, pricing.overhead_s, slope,
+                             pricing.draft_jump, shared_s=self._prefill_seconds())
+
+    def _prefill_seconds(self) -> float:
+        """The base step's time beyond what its decodes alone would take (0 without prefill chunks)."""
+        n = len(self.requests)
+        if n == 0 or self.decode_only:
+            return 0.0
+        latency = self.pricing.latency
+        decodes = StepShape(n, n, sum(r.context_tokens for r in self.requests))
+        return max(0.0, latency.predict(self.base) - latency.predict(decodes))
 
     def capped(self, k: int) -> list[int]:
         """The same k for every request, within each request's cap."""

@@ -41,7 +41,6 @@ from typing import Callable, ClassVar, Sequence
 from ..planner.acceptance import AcceptanceEstimate
 from ..planner.goodput import StepCostModel, step_goodput
 from ..planner.policy import PolicyState
-from ..profiler.latency_model import StepShape
 
 
 @dataclass(frozen=True)
@@ -206,27 +205,6 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     return Allocation(tuple(ks), best_g, best_s + shared, off_goodput)
 
 
-def step_cost(state: PolicyState, draft_slope: float | None = None) -> StepCostModel:
-    """The step's cost as a function of its drafts, at the learned slope unless told otherwise;
-    the prefill chunks' share of the base step is not charged to the decodes."""
-    pricing = state.pricing
-    if pricing.latency is None:
-        raise ValueError("this policy needs a latency model (a profile); none was given to the planner")
-    slope = pricing.draft_slope if draft_slope is None else draft_slope
-    return StepCostModel(pricing.latency, state.base, pricing.draft_cost, pricing.overhead_s, slope,
-                         pricing.draft_jump, shared_s=_prefill_seconds(state))
-
-
-def _prefill_seconds(state: PolicyState) -> float:
-    """The base step's time beyond what its decodes alone would take (0 without prefill chunks)."""
-    n = len(state.requests)
-    if n == 0 or state.decode_only:
-        return 0.0
-    latency = state.pricing.latency
-    decodes = StepShape(n, n, sum(r.context_tokens for r in state.requests))
-    return max(0.0, latency.predict(state.base) - latency.predict(decodes))
-
-
 @dataclass(frozen=True)
 class GoodputPolicy:
     min_relative_gain: float = 0.02
@@ -259,7 +237,7 @@ class GoodputPolicy:
 
     def plan(self, state: PolicyState) -> Allocation:
         """The full allocation (predicted goodput and step time too), for reports and tests."""
-        cost = step_cost(state)
+        cost = state.cost_model()
         chosen = self._allocate(state, cost)
         if chosen.total_drafts:
             if not state.pricing.draft_baseline and state.decode_only:
@@ -308,7 +286,7 @@ class GoodputPolicy:
         the learned slope: every request's k capped at a depth (deepest first), then at depth 1
         only the r requests with the best first draft (r found by bisection). The measured step
         then tells the planner what drafts really cost here."""
-        optimistic = self._allocate(state, step_cost(state, state.pricing.explore_slope)).ks
+        optimistic = self._allocate(state, state.cost_model(state.pricing.explore_slope)).ks
         if not any(optimistic):
             return None
         estimates = [r.acceptance for r in state.requests]

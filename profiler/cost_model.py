@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specplan.engine.config import ModelConfig
+from specplan.engine import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from specplan.engine.model.loader import LoadedModel
+from specplan.engine import LoadedModel
 
 from .cost_model import decode_step_cost, layer_costs
 from .latency_model import StepShape

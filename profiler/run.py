@@ -124,10 +124,7 @@ def _measure_cheap_proposers(repeats: int = 200) -> dict[str, DraftCost]:
     """n-gram and suffix proposing cost per sequence, on 1,000-token sequences with repeats."""
     import random
 
-    from specplan.engine.proposers.ngram import NgramProposer
-    from specplan.engine.proposers.suffix import SuffixProposer
-    from specplan.engine.sampling import SamplingParams
-    from specplan.engine.sequence import Sequence
+    from specplan.engine import NgramProposer, SamplingParams, Sequence, SuffixProposer
 
     rng = random.Random(0)
     costs = {}

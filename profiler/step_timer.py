@@ -14,11 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from specplan.engine import LLMEngine, SamplingParams
-from specplan.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from specplan.engine.model.loader import LoadedModel
-from specplan.engine.decider import StepRecord, StepView
-from specplan.engine.drafts import DraftTokens
+from specplan.engine import CacheConfig, DraftTokens, EngineConfig, LLMEngine, LoadedModel, SamplingParams, SchedulerConfig, SpecConfig, StepRecord, StepView
 
 
 class RandomDraftProposer:

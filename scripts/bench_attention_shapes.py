@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from bench_kv_layout import D, H, KVH, LAYERS, time_step  # the same model shapes and timing loop
+from bench_kv_layout import D, KVH, LAYERS, time_step  # the same model shapes and timing loop
 from specplan.engine.model.attention_cpu import load_kernel
 
 BLOCK = 16

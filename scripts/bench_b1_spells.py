@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from specplan.engine.model.loader import load_model
+from specplan.engine import load_model
 from specplan.profiler.ceilings import BandwidthProbe
 from specplan.profiler.cost_model import decode_step_cost
 from specplan.profiler.step_timer import StepTimer, timing_engine

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from specplan.adaptive import load_or_make_profile
-from specplan.engine.model.loader import load_model
+from specplan.engine import load_model
 from specplan.profiler.latency_model import StepShape
 from specplan.profiler.step_timer import StepTimer, timing_engine
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 from specplan.engine.model.attention_cpu import load_kernel
-from specplan.engine.model.loader import load_model
+from specplan.engine import load_model
 from specplan.profiler.ceilings import BandwidthProbe, measure_peak_flops
 from specplan.profiler.cost_model import decode_step_cost
 from specplan.profiler.step_timer import StepTimer, timing_engine

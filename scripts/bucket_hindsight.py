@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specplan.bench import evaluate as ev
-from specplan.engine.model.loader import load_model
+from specplan.engine import load_model
 from specplan.planner.acceptance import match_bucket
 
 PROMPTS, MAX_TOKENS, MAX_K = 24, 64, 8

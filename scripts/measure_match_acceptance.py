@@ -13,7 +13,7 @@ repo root (about a minute); timing does not matter, so the machine need not be q
 from collections import defaultdict
 
 from specplan.bench import evaluate as ev
-from specplan.engine.model.loader import load_model
+from specplan.engine import load_model
 from specplan.planner.acceptance import match_bucket
 
 PROMPTS, MAX_TOKENS = 24, 64

@@ -27,8 +27,7 @@ import torch
 from specplan.adaptive import load_or_make_profile
 from specplan.bench import evaluate as ev
 from specplan.bench.workloads import load_workload
-from specplan.engine.decider import StepRecord, StepView
-from specplan.engine.model.loader import load_model
+from specplan.engine import StepRecord, StepView, load_model
 from specplan.planner.acceptance import match_bucket
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy

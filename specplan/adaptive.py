@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import typer
 
-from specplan.engine.model.loader import LoadedModel
+from specplan.engine import LoadedModel
 from specplan.profiler.profile import PROFILE_VERSION, Profile, ProfileError, check_matches, fingerprint
 from specplan.profiler.run import default_profile_path, profile_cache_dir, run_profile
 

@@ -54,8 +54,7 @@ def generate(
     sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target in ms (with --adaptive).")] = None,
 ) -> None:
     """Generate text for each prompt with the built-in engine."""
-    from specplan.engine import LLM, RequestError, SamplingParams
-    from specplan.engine.model.loader import ModelLoadError, load_model
+    from specplan.engine import LLM, ModelLoadError, RequestError, SamplingParams, load_model
     from specplan.profiler.profile import ProfileError
 
     try:
@@ -140,8 +139,8 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     if not adaptive and (policy is not None or profile is not None or sla_itl_ms is not None):
         fail("--policy, --profile and --sla-itl-ms only apply with --adaptive")
-    from specplan.engine.model.loader import ModelLoadError, load_model
-    from specplan.engine.server.app import build_engine
+    from specplan.engine import ModelLoadError, load_model
+    from specplan.engine.server import build_engine
     from specplan.engine.server.app import serve as run_server
     from specplan.profiler.profile import ProfileError
 
@@ -184,7 +183,7 @@ def profile_cmd(
     import shlex
     import sys
 
-    from specplan.engine.model.loader import ModelLoadError
+    from specplan.engine import ModelLoadError
     from specplan.profiler.run import run_profile
 
     try:
@@ -241,7 +240,7 @@ def sweep(
     """Run every policy at every load level against an in-process server; write parquet results and the report."""
     import shlex
 
-    from specplan.engine.model.loader import ModelLoadError
+    from specplan.engine import ModelLoadError
     from specplan.profiler.profile import ProfileError
     from specplan.bench.workloads import WorkloadUnavailableError
 
@@ -325,7 +324,7 @@ def evaluate_cmd(
     import pandas as pd
 
     from specplan.adaptive import load_or_make_profile
-    from specplan.engine.model.loader import ModelLoadError, load_model
+    from specplan.engine import ModelLoadError, load_model
     from specplan.bench.evaluate import evaluate, render_evaluation
     from specplan.profiler.profile import ProfileError
 

@@ -74,8 +74,7 @@ def tiny_hf_model(arch: str = "llama", *, dtype: torch.dtype = torch.float64, se
 
 
 def loaded_from_hf(model, name: str = "tiny"):
-    from specplan.engine.config import ModelConfig
-    from specplan.engine.model.loader import LoadedModel
+    from specplan.engine import LoadedModel, ModelConfig
 
     return LoadedModel(config=ModelConfig.from_hf(model.config, name=name),
                        weights={k: v.detach().clone() for k, v in model.state_dict().items()},

@@ -13,7 +13,7 @@ import torch
 from specplan.engine.model.attention import AttentionPlan, paged_attention
 from specplan.engine.batch import TokenBatch
 from specplan.engine.model_runner import _ancestor_bits, _ancestor_mask
-from specplan.engine.drafts import DraftTree
+from specplan.engine import DraftTree
 
 TOL = 1e-5
 

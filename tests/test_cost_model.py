@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specplan.engine.config import ModelConfig
+from specplan.engine import ModelConfig
 from specplan.profiler.cost_model import decode_step_cost, layer_costs, step_cost, step_costs, weight_bytes
 
 TINY = ModelConfig(architecture="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2,

@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specplan.engine import LLM, SamplingParams
-from specplan.engine.model.loader import load_model
+from specplan.engine import LLM, SamplingParams, load_model
 
 pytestmark = pytest.mark.slow
 

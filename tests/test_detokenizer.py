@@ -3,7 +3,6 @@ stop strings found incrementally by the engine."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "reports/README.md"]
+DOCS = ["README.md", "reports/README.md", "docs/design.md"]
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target)
 
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from conftest import loaded_from_hf, tiny_hf_model
-from specplan.engine.decider import FixedDecider
-from specplan.engine.proposers.ngram import NgramProposer
+from specplan.engine import FixedDecider, NgramProposer
 from specplan.bench.evaluate import _engine, paired_ratios, render_evaluation, run_cell, summarize
 
 
@@ -79,6 +78,18 @@ def test_cells_time_the_decider():
     assert 0 < slow["decider_share"] < 1
 
 
+class _CountingDecider(FixedDecider):
+    """A fixed k that remembers how many requests each step decided for."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.batch_sizes: list[int] = []
+
+    def decide(self, view):
+        self.batch_sizes.append(len(view.requests))
+        return super().decide(view)
+
+
 def test_cells_are_lossless_across_deciders():
     loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
     engine = _engine(loaded, "ngram", max_batch=4, draft_layers=1)
@@ -86,11 +97,9 @@ def test_cells_are_lossless_across_deciders():
     a = run_cell(engine, prompts, FixedDecider(0), max_tokens=12)
     b = run_cell(engine, prompts, FixedDecider(4), max_tokens=12)
     assert a["outputs"] == b["outputs"] and a["output_tokens"] == 48
-    running = []
-    step = engine.step
-    engine.step = lambda: (running.append(len(engine.scheduler.running)), step())[1]
-    c = run_cell(engine, prompts, FixedDecider(2), max_tokens=12, concurrency=2)  # closed loop at B = 2
-    assert c["outputs"] == a["outputs"] and max(running) == 2
+    counting = _CountingDecider(2)
+    c = run_cell(engine, prompts, counting, max_tokens=12, concurrency=2)  # closed loop at B = 2
+    assert c["outputs"] == a["outputs"] and max(counting.batch_sizes) == 2
     assert a["k_zero_share"] == 1.0 and b["mean_k"] > 0
     given = NgramProposer(max_n=2)  # a run can bring its own proposer (as A/Bs of proposers do)
     d = run_cell(engine, prompts, FixedDecider(4), max_tokens=12, proposer=given)
@@ -191,7 +200,7 @@ def test_accepted_lengths_worked_example():
         [Replayed(0, 0, 0), Replayed(1, 2, 1), Replayed(2, 1, 0)]]
     # a capped proposal cannot be accepted past the cap; drafts running past the output stop there
     assert accepted_lengths(NgramProposer(), [[3, 4, 3, 4, 3, 4]], [[3, 4, 3, 4]], max_k=2) == [[2, 2, 2, 1]]
-    from specplan.engine.proposers.suffix import SuffixProposer
+    from specplan.engine import SuffixProposer
 
     with pytest.raises(ValueError, match="own tokens"):
         accepted_lengths(SuffixProposer(), [[1, 2]], [[3]], max_k=4)

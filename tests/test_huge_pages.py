@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from specplan.engine.config import ModelConfig
+from specplan.engine import ModelConfig
 from specplan.engine.model.huge_pages import HUGE_PAGE, huge_page_zeros
 from specplan.engine.model_runner import allocate_kv_cache
 

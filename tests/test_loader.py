@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specplan.engine.model import loader
-from specplan.engine.model.loader import LoadedModel, ModelLoadError, default_model_path, load_model
+from specplan.engine import LoadedModel, ModelLoadError, default_model_path, load_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 CHAT_TEMPLATE = (

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from specplan.engine.decider import RequestRecord, RequestView, SpecDecider, StepRecord, StepView
+from specplan.engine import RequestRecord, RequestView, SpecDecider, StepRecord, StepView
 from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, DraftSlopeConfig, DriftCorrection, Planner,
                               PlannerConfig, PolicyState, PooledAcceptance, RequestAcceptance, RequestState,
                               StepCostModel, StepPricing, StepTimingLearner, expected_tokens, step_goodput)
@@ -26,7 +26,7 @@ from specplan.planner.calibration import AcceptanceCalibration, CalibrationConfi
 from specplan.planner.drift import DraftPrice, DraftSlope
 from specplan.planner.goodput import MIN_DRAFT_INCREMENT, priced_seconds
 from specplan.policies import make_policy
-from specplan.policies.goodput import GoodputPolicy, allocate, step_cost
+from specplan.policies.goodput import GoodputPolicy, allocate
 from specplan.profiler.latency_model import StepShape
 
 from conftest import RidgeLatency
@@ -312,7 +312,7 @@ def test_a_prefill_chunk_does_not_make_decode_tokens_look_dear():
     assert cost.shared_s == 0.0  # cost_for leaves it to PolicyState: see below
     state = PolicyState(requests=tuple(RequestState(i, f"r{i}", 8, 10, e, None, 0) for i, e in enumerate(poor)),
                         base=cost.base, max_k=8, proposer="ngram", workload="w", pricing=StepPricing(latency=ridge))
-    charged = step_cost(state)
+    charged = state.cost_model()
     assert charged.shared_s == pytest.approx(ridge.predict(cost.base) - ridge.predict(StepShape(4, 4, 40)))
     assert allocate(poor, [8] * 4, cost).total_drafts > 0  # the whole step as the denominator
     assert allocate(poor, [8] * 4, charged).ks == (0, 0, 0, 0)
@@ -984,3 +984,19 @@ def test_planner_calibrates_what_its_chosen_drafts_promise():
     assert raw_ratio < 0.88  # uncalibrated, the chosen drafts yield well under what they promise
     assert 0.5 < planner.calibration.factor < 0.95
     assert calibrated_ratio == pytest.approx(1.0, abs=0.05)
+
+
+def test_planner_predicts_the_step_it_chose():
+    """The server exports ``predicted_step_s`` beside the measured step: the latest decision's
+    step as the planner priced it, None before a decision or without a latency model."""
+    off = Planner(make_policy("off"), FLAT)
+    assert off.predicted_step_s is None
+    off.decide(view(4, context=400))
+    assert off.last_state.base.num_tokens == 4  # four decodes, nothing else
+    assert off.predicted_step_s == pytest.approx(FLAT.predict(off.last_state.base))  # no drafts, nothing learned yet
+    drafting = Planner(make_policy("static:3"), FLAT)
+    assert drafting.decide(view(4, context=400)) == [3] * 4
+    assert drafting.predicted_step_s > off.predicted_step_s  # 12 drafts are never free (MIN_DRAFT_INCREMENT)
+    without_model = Planner(make_policy("static:3"))
+    without_model.decide(view(2))
+    assert without_model.predicted_step_s is None

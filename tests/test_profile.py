@@ -139,7 +139,6 @@ def test_profile_for_another_model_is_refused(tiny_profile):
 
 
 def test_planner_from_profile_steers_the_engine(tiny_profile):
-    from conftest import tiny_llm
     from specplan.engine import SamplingParams
     from specplan.planner.from_profile import planner_from_profile
     from specplan.policies import make_policy

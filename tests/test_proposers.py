@@ -8,11 +8,9 @@ import time
 
 import pytest
 
-from specplan.engine.proposers.base import DraftTokens, DraftTree, Proposer
-from specplan.engine.proposers.ngram import NgramProposer
+from specplan.engine import DraftTokens, DraftTree, NgramProposer, Proposer
 from specplan.engine.proposers.suffix import SuffixProposer, context_lengths
-from specplan.engine.sampling import SamplingParams
-from specplan.engine.sequence import Sequence
+from specplan.engine import SamplingParams, Sequence
 
 
 def make_seq(tokens, seq_id: int = 0, num_prompt: int | None = None) -> Sequence:

@@ -44,7 +44,7 @@ def loaded():
 
 
 def make_engine(loaded, **overrides):
-    from specplan.engine.server.app import build_engine
+    from specplan.engine.server import build_engine
 
     kwargs = dict(loaded=loaded, proposer="ngram", spec_k=2, max_k=6, dtype=torch.float64, block_size=4,
                   kv_cache_bytes=8 * 1024**2, max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
@@ -83,7 +83,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def server(loaded):
-    from specplan.engine.server.app import create_app
+    from specplan.engine.server import create_app
 
     with ServerThread(create_app(make_engine(loaded), NAME, max_queued=64)) as s:
         yield s
@@ -187,7 +187,7 @@ def test_sampled_streams_equal_non_streamed(client):
 def test_incremental_detokenization_matches_full_decode(loaded):
     import random
 
-    from specplan.engine.sampling import SamplingParams
+    from specplan.engine import SamplingParams
     from specplan.engine.server.loop import _final_delta, _running_delta, _Track
 
     tok = loaded.tokenizer
@@ -394,7 +394,7 @@ def test_disconnected_non_streaming_request_is_cancelled(server):
 
 
 def test_full_queue_answers_429_with_retry_after(loaded):
-    from specplan.engine.server.app import create_app
+    from specplan.engine.server import create_app
 
     app = create_app(make_engine(loaded, max_num_seqs=1), NAME, max_queued=1)
     with ServerThread(app) as s:

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from conftest import loaded_from_hf, tiny_hf_model, tiny_llm
-from specplan.engine import SamplingParams
-from specplan.engine.decider import StepRecord, StepView
+from specplan.engine import SamplingParams, StepRecord, StepView
 from specplan.engine.model_runner import kv_bytes_per_block
 
 GREEDY = dict(temperature=0.0)
@@ -202,7 +201,7 @@ class OracleTreeProposer:
         self.accepted_paths = 0
 
     def propose(self, seqs, k):
-        from specplan.engine.drafts import DraftTokens, DraftTree
+        from specplan.engine import DraftTokens, DraftTree
 
         trees, linear = [], []
         for seq, ki in zip(seqs, k):

@@ -290,7 +290,7 @@ def test_tree_greedy_hand_cases():
 def test_tree_greedy_chain_equals_linear_greedy():
     g = torch.Generator().manual_seed(7)
     lengths = [0, 4, 2, 5, 1]
-    b, vocab = len(lengths), 5
+    vocab = 5
     drafts = [torch.randint(0, vocab, (d,), generator=g).tolist() for d in lengths]
     rows = [torch.randint(0, vocab, (d + 1,), generator=g).tolist() for d in lengths]
     tokens, parents = [], []

@@ -36,8 +36,8 @@ occurrence, then per-request evidence. ``token_ids`` is the greedy most-frequent
 Asked before k is decided (``proposes_prefixes``): the engine proposes each request's cap, shows
 the decider the tree's size and the match length, and keeps the first k nodes. That costs every
 step what the old ask-after-deciding path cost only on drafting steps, about 1% of a large
-step, and paid for itself at B=1 while costing little at B=32 (A/B against the old path in
-scripts/bench_suffix_lookahead.py) (measured: reports/README.md#engine-measurements).
+step, and paid for itself at B=1 while costing little at B=32 (an A/B against the old path,
+since retired: reports/README.md#engine-measurements).
 """
 
 from __future__ import annotations

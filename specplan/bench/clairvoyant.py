@@ -28,10 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
-from specplan.engine.decider import StepRecord, StepView
-from specplan.engine.proposers.base import Proposer
-from specplan.engine.sampling import SamplingParams
-from specplan.engine.sequence import Sequence
+from specplan.engine import Proposer, SamplingParams, Sequence, StepRecord, StepView
 
 # Proposers whose drafts are a function of the request's own tokens. Suffix decoding also learns
 # from other requests' outputs, which depend on the order requests ran in; a draft model is exact

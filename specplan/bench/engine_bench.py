@@ -20,8 +20,7 @@ import pandas as pd
 import torch
 from rich.progress import Progress
 
-from specplan.engine import LLM, SamplingParams
-from specplan.engine.model.loader import LoadedModel, load_model
+from specplan.engine import LLM, LoadedModel, SamplingParams, load_model
 from specplan.profiler.ceilings import BandwidthProbe, Ceilings, measure_ceilings
 from specplan.profiler.cost_model import decode_step_cost
 from specplan.profiler.machine import describe, machine_info

@@ -38,12 +38,7 @@ from rich.progress import Progress
 
 from specplan.bench.clairvoyant import SELF_CONTAINED_PROPOSERS, ClairvoyantDecider, Replayed, replay
 from specplan.bench.workloads import load_workload
-from specplan.engine import LLMEngine, SamplingParams
-from specplan.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from specplan.engine.decider import FixedDecider
-from specplan.engine.model.loader import LoadedModel
-from specplan.engine.proposers.base import Proposer
-from specplan.engine.proposers.factory import make_proposer
+from specplan.engine import CacheConfig, EngineConfig, FixedDecider, LLMEngine, LoadedModel, Proposer, SamplingParams, SchedulerConfig, SpecConfig, make_proposer
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy
 from specplan.profiler.profile import Profile

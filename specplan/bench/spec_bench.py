@@ -156,8 +156,7 @@ def _specplan_methods(loaded: Any, ks: Sequence[int], proposers: Sequence[str]) 
     reset before every measured request, or a repeat of the same prompt would find its own
     earlier output there.
     """
-    from specplan.engine.llm import LLM
-    from specplan.engine.sampling import SamplingParams
+    from specplan.engine import LLM, SamplingParams
 
     kv_bytes = 96 * 1024**2  # ~2,000 tokens of KV for the default model: one prompt plus its output
     max_k = max([8, *ks])
@@ -326,7 +325,7 @@ def run_spec_bench(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specplan.engine.model.loader import load_model
+    from specplan.engine import load_model
 
     console = Console(stderr=True, quiet=not progress)
     started = time.time()

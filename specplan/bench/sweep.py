@@ -54,7 +54,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specplan.engine.server.app import build_engine, create_app
+    from specplan.engine.server import build_engine, create_app
 
     if (rates is None) == (concurrency is None):
         raise ValueError("give exactly one of rates and concurrency")
@@ -80,7 +80,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
 
     t_load = time.perf_counter()
     if loaded is None:
-        from specplan.engine.model.loader import load_model
+        from specplan.engine import load_model
 
         loaded = load_model(model)
     load_s = time.perf_counter() - t_load
