@@ -60,15 +60,85 @@ class TokenMirror:
         return n
 
 
-class _NgramState:
-    __slots__ = ("mirror", "index", "indexed_end")
+class NgramIndex:
+    """The lookup over one growing token list: the one implementation of prompt lookup, used by
+    ``NgramProposer`` here and by the vLLM plugin (specplan/integrations/vllm.py) over vLLM's
+    token rows. It reads nothing but its token list (no engine type, no tensor).
 
-    def __init__(self) -> None:
-        self.mirror = TokenMirror()
+    ``toks`` is held by reference: its owner appends to it and calls :meth:`update` before a
+    lookup (a list that was rewritten needs a new index).
+    """
+
+    __slots__ = ("toks", "min_n", "max_n", "max_match_length", "_index", "_indexed_end")
+
+    def __init__(self, toks: list[int], min_n: int = 1, max_n: int = 4, max_match_length: int = 16):
+        if min_n < 1 or max_n < min_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if max_match_length < max_n:
+            raise ValueError(f"max_match_length must be >= max_n ({max_n}), got {max_match_length}")
+        self.toks = toks
+        self.min_n = min_n
+        self.max_n = max_n
+        self.max_match_length = max_match_length
         # (token, ..., token) -> the most recent end position e (exclusive) with t[e-n:e] == key,
-        # for every e <= indexed_end. The current end L is never indexed, so a hit is "earlier".
-        self.index: dict[tuple[int, ...], int] = {}
-        self.indexed_end = 0
+        # for every e <= _indexed_end. The current end L is never indexed, so a hit is "earlier".
+        self._index: dict[tuple[int, ...], int] = {}
+        self._indexed_end = 0
+
+    def update(self) -> None:
+        """Index the n-grams ending at positions _indexed_end+1 .. len(toks)-1 (those appended since)."""
+        toks, index = self.toks, self._index
+        lo_n, hi_n = self.min_n, self.max_n
+        last_end = len(toks) - 1
+        for e in range(self._indexed_end + 1, last_end + 1):
+            for n in range(lo_n, min(hi_n, e) + 1):
+                index[tuple(toks[e - n:e])] = e
+        if last_end > self._indexed_end:
+            self._indexed_end = last_end
+
+    def match(self) -> tuple[int, int]:
+        """(n, e): the longest matched n-gram length and the end of its most recent earlier
+        occurrence, or (0, -1) when nothing matches. Call :meth:`update` first."""
+        toks, index = self.toks, self._index
+        L = len(toks)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            e = index.get(tuple(toks[L - n:L]))
+            if e is not None:
+                return n, e
+        return 0, -1
+
+    def lookup(self, k: int) -> tuple[list[int], int, int]:
+        """(drafts, available, match_length): up to k drafts, how many tokens follow the match in
+        all (>= 1 on a match), and the match length; ([], 0, 0) when nothing matches."""
+        self.update()
+        n, e = self.match()
+        if n == 0:
+            return [], 0, 0
+        toks = self.toks
+        return toks[e:e + k], len(toks) - e, self.match_length(n, e)
+
+    def match_length(self, n: int, e: int) -> int:
+        """The matched n-gram followed further back: how many trailing tokens agree with the ones
+        before ``e`` (up to ``max_match_length``). The drafts come from the n-gram alone; the length
+        tells the planner how much to trust them: after 16 matching tokens a passage is being
+        copied, after 4 it may be a common phrase.
+        Worked example: toks = [1, 2, 3, 4, 9, 2, 3, 4], n = 3 (2 3 4), e = 4; before it,
+        toks[0] = 1 against toks[4] = 9: no further agreement, so 3."""
+        toks = self.toks
+        last = len(toks) - 1
+        m = n
+        limit = min(self.max_match_length, e)  # toks[e - m - 1] must exist
+        while m < limit and toks[e - m - 1] == toks[last - m]:
+            m += 1
+        return m
+
+
+class _NgramState:
+    __slots__ = ("mirror", "index")
+
+    def __init__(self, proposer: "NgramProposer") -> None:
+        self.mirror = TokenMirror()
+        self.index = NgramIndex(self.mirror.toks, proposer.min_n, proposer.max_n, proposer.max_match_length)
 
 
 class NgramProposer:
@@ -78,12 +148,9 @@ class NgramProposer:
     proposes_prefixes = True  # t[e:e+k] is a prefix of t[e:e+k'] for k <= k'; a lookup is ~free
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_natural_k: int = 8, max_match_length: int = 16):
-        if min_n < 1 or max_n < min_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        NgramIndex([], min_n, max_n, max_match_length)  # checks the parameters once, here
         if max_natural_k < 1:
             raise ValueError(f"max_natural_k must be >= 1, got {max_natural_k}")
-        if max_match_length < max_n:
-            raise ValueError(f"max_match_length must be >= max_n ({max_n}), got {max_match_length}")
         self.min_n = min_n
         self.max_n = max_n
         self.max_natural_k = max_natural_k
@@ -95,36 +162,19 @@ class NgramProposer:
     def _state(self, seq: Sequence) -> _NgramState:
         st = self._states.get(seq.seq_id)
         if st is None:
-            st = self._states[seq.seq_id] = _NgramState()
+            st = self._states[seq.seq_id] = _NgramState(self)
         if st.mirror.sync(seq) < 0:  # tokens were replaced: start over
-            st = self._states[seq.seq_id] = _NgramState()
+            st = self._states[seq.seq_id] = _NgramState(self)
             st.mirror.sync(seq)
-        self._index_upto(st, len(st.mirror.toks) - 1)
+        st.index.update()
         return st
-
-    def _index_upto(self, st: _NgramState, last_end: int) -> None:
-        """Index the n-grams ending at positions indexed_end+1 .. last_end."""
-        toks, index = st.mirror.toks, st.index
-        lo_n, hi_n = self.min_n, self.max_n
-        for e in range(st.indexed_end + 1, last_end + 1):
-            for n in range(lo_n, min(hi_n, e) + 1):
-                index[tuple(toks[e - n:e])] = e
-        if last_end > st.indexed_end:
-            st.indexed_end = last_end
 
     # --------------------------------------------------------------- protocol
 
     def match(self, seq: Sequence) -> tuple[int, int]:
         """(n, e): the longest matched n-gram length and the end of its most recent earlier
         occurrence, or (0, -1) when nothing matches."""
-        st = self._state(seq)
-        toks, index = st.mirror.toks, st.index
-        L = len(toks)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            e = index.get(tuple(toks[L - n:L]))
-            if e is not None:
-                return n, e
-        return 0, -1
+        return self._state(seq).index.match()
 
     def propose(self, seqs: list[Sequence], k: list[int]) -> DraftTokens:
         t0 = time.perf_counter()
@@ -134,32 +184,11 @@ class NgramProposer:
         natural: list[int] = []
         matched: list[int] = []
         for seq, ki in zip(seqs, k):
-            n, e = self.match(seq) if ki > 0 else (0, -1)
-            if n == 0:
-                out.append([])
-                natural.append(0)
-                matched.append(0)
-                continue
-            toks = self._states[seq.seq_id].mirror.toks
-            available = len(toks) - e  # >= 1: e <= L - 1
-            out.append(toks[e:e + ki])
+            drafts, available, match_length = self._state(seq).index.lookup(ki) if ki > 0 else ([], 0, 0)
+            out.append(drafts)
             natural.append(min(available, self.max_natural_k))
-            matched.append(self._match_length(toks, n, e))
+            matched.append(match_length)
         return DraftTokens(token_ids=out, natural_k=natural, match_length=matched, seconds=time.perf_counter() - t0)
-
-    def _match_length(self, toks: list[int], n: int, e: int) -> int:
-        """The matched n-gram followed further back: how many trailing tokens agree with the ones
-        before ``e`` (up to ``max_match_length``). The drafts come from the n-gram alone; the length
-        tells the planner how much to trust them: after 16 matching tokens a passage is being
-        copied, after 4 it may be a common phrase.
-        Worked example: toks = [1, 2, 3, 4, 9, 2, 3, 4], n = 3 (2 3 4), e = 4; before it,
-        toks[0] = 1 against toks[4] = 9: no further agreement, so 3."""
-        last = len(toks) - 1
-        m = n
-        limit = min(self.max_match_length, e)  # toks[e - m - 1] must exist
-        while m < limit and toks[e - m - 1] == toks[last - m]:
-            m += 1
-        return m
 
     def on_finished(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
