@@ -127,17 +127,22 @@ class Profile(BaseModel):
             raise ProfileError(f"profile {path} is corrupted or truncated ({first}); {remedy}") from None
 
 
-def fingerprint(model_config, dtype: torch.dtype, device: str) -> Fingerprint:
+def model_config_hash(model_config) -> str:
+    """What identifies a model's shape in a fingerprint: a hash of its ModelConfig, name aside
+    (the vLLM plugin compares it with the model vLLM serves)."""
     import hashlib
 
     from dataclasses import asdict
 
     cfg = asdict(model_config)
     cfg.pop("name", None)
-    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return Fingerprint(model=model_config.name, model_config_hash=digest, dtype=str(dtype).removeprefix("torch."),
-                       device=str(device), threads=torch.get_num_threads(), torch_version=torch.__version__,
-                       cpu=cpu_name(), kernels=_kernels(device))
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def fingerprint(model_config, dtype: torch.dtype, device: str) -> Fingerprint:
+    return Fingerprint(model=model_config.name, model_config_hash=model_config_hash(model_config),
+                       dtype=str(dtype).removeprefix("torch."), device=str(device), threads=torch.get_num_threads(),
+                       torch_version=torch.__version__, cpu=cpu_name(), kernels=_kernels(device))
 
 
 def _kernels(device: str) -> str:
