@@ -1,0 +1,284 @@
+"""specplan's vLLM plugin (specplan/integrations/vllm.py).
+
+Two halves. The plugin's own logic (which row is which request, acceptance from sampled tokens,
+the step record, caps, configuration errors) runs everywhere, on arrays shaped as vLLM passes
+them. The rest runs vLLM for real on a tiny random-weight Llama and skips where vLLM is not
+installed (CI): run it with ``/work/vllm-venv/bin/python -m pytest tests/test_vllm_plugin.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specplan.engine.decider import StepRecord, StepView
+from specplan.integrations.vllm import (PlanningDrafter, PluginConfigError, PluginOptions, build_planner,
+                                        check_vllm_version)
+from specplan.integrations.vllm_rows import RowTracker
+
+MAX_LEN = 64
+
+
+class Scripted:
+    """A planner stand-in that asks for fixed k and keeps what it was shown (tests the drafter's
+    side of the SpecDecider contract, not the planner)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.views: list[StepView] = []
+        self.records: list[StepRecord] = []
+
+    def decide(self, view: StepView) -> list[int]:
+        self.views.append(view)
+        return [self.k] * len(view.requests)
+
+    def observe(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+
+class Batch:
+    """vLLM's persistent input buffers: token_ids_cpu [rows, MAX_LEN], num_tokens_no_spec [rows]."""
+
+    def __init__(self, rows: int = 4):
+        self.toks = np.zeros((rows, MAX_LEN), dtype=np.int32)
+        self.lens = np.zeros(rows, dtype=np.int32)
+
+    def put(self, row: int, tokens: list[int]) -> None:
+        self.toks[row, :len(tokens)] = tokens
+        self.lens[row] = len(tokens)
+
+    def append(self, row: int, tokens: list[int]) -> list[int]:
+        n = int(self.lens[row])
+        self.toks[row, n:n + len(tokens)] = tokens
+        self.lens[row] = n + len(tokens)
+        return tokens
+
+
+REPEATING = [5, 6, 7, 8] * 3  # the lookup finds 5 6 7 8 ... after any suffix of it
+OTHER = [20, 21, 22, 23, 20, 21, 22]
+
+
+def test_rows_follow_requests_when_the_batch_condenses():
+    tracker = RowTracker()
+    b = Batch()
+    b.put(0, REPEATING + [5])
+    b.put(1, OTHER + [23])
+    b.put(2, [40, 41, 42, 43, 44])  # still prefilling: it committed nothing
+    first = tracker.read([[5], [23], []], b.lens, b.toks)
+    assert [r.continued for r in first.decodes] == [False, False] and first.prefill_rows == [2]
+    a, o = (r.request.seq_id for r in first.decodes)
+    # Request 0 finished; vLLM moved request 1 into row 0 and the prefilled one into row 1.
+    b.put(0, OTHER + [23])
+    b.append(0, [20, 21])
+    b.put(1, [40, 41, 42, 43, 44, 45])
+    second = tracker.read([[20, 21], [45]], b.lens[:2], b.toks[:2])
+    assert [(r.request.seq_id, r.continued) for r in second.decodes] == [(o, True), (tracker._next_id - 1, False)]
+    assert second.decodes[0].request.toks == OTHER + [23, 20, 21]  # the index reads the appended tokens
+    assert second.decodes[0].request.index.lookup(3)[0] == [22, 23, 20]
+    assert a not in {r.request.seq_id for r in second.decodes}
+
+
+def test_a_row_with_other_tokens_is_a_new_request():
+    tracker = RowTracker()
+    b = Batch()
+    b.put(0, REPEATING + [5])
+    (r0,) = tracker.read([[5]], b.lens, b.toks).decodes
+    b.put(0, [9] + REPEATING[1:] + [5])  # the same length as if it continued, another prompt
+    b.append(0, [6])
+    (r1,) = tracker.read([[6]], b.lens, b.toks).decodes
+    assert not r1.continued and r1.request.seq_id != r0.request.seq_id
+    # Requests that stop appearing are forgotten.
+    for _ in range(tracker.forget_after_calls + 1):
+        tracker.read([], b.lens, b.toks)
+    assert tracker.num_tracked == 0
+
+
+def test_acceptance_and_step_time_reach_the_planner():
+    planner = Scripted(k=3)
+    drafter = PlanningDrafter(planner, num_speculative_tokens=4, max_model_len=MAX_LEN, max_num_batched_tokens=256)
+    b = Batch()
+    b.put(0, REPEATING + [5])
+    b.put(1, OTHER + [23])
+    out = drafter.propose([[5], [23]], b.lens, b.toks)
+    assert out == [[6, 7, 8], [20, 21, 22]]
+    assert planner.records == []  # both rows were prefills: no drafts of theirs have run yet
+    view = planner.views[-1]
+    assert [(r.available_drafts, r.max_k) for r in view.requests] == [(4, 4), (4, 4)]  # vLLM's K
+    assert view.requests[0].match_length == 9 and view.draft_budget == 254
+    # Row 0 accepted 2 of its 3 drafts (+ the target's token), row 1 none.
+    b.append(0, [6, 7, 9])
+    b.append(1, [30])
+    drafter.propose([[6, 7, 9], [30]], b.lens, b.toks, slot_mappings={"layer.0": np.zeros(8)})
+    (rec,) = planner.records
+    assert [(r.k, r.num_proposed, r.num_accepted, r.num_emitted) for r in rec.requests] == [(3, 3, 2, 3), (3, 3, 0, 1)]
+    assert rec.requests[0].match_length == 9 and rec.requests[0].natural_k == 4
+    assert rec.num_seqs == 2 and rec.num_tokens == 8 and rec.num_prefill_tokens == 0
+    assert rec.total_s > 0 and rec.forward_s + rec.propose_s == pytest.approx(rec.total_s)
+    assert drafter.stats.drafts_accepted == 2 and drafter.stats.drafts_proposed == 6
+
+
+def test_caps_k_zero_and_max_model_len():
+    b = Batch()
+    b.put(0, REPEATING + [5])
+    assert PlanningDrafter(Scripted(k=0), 4, MAX_LEN).propose([[5]], b.lens, b.toks) == [[]]
+    assert PlanningDrafter(Scripted(k=9), 2, MAX_LEN).propose([[5]], b.lens, b.toks) == [[6, 7]]
+    near_end = len(REPEATING) + 1 + 2  # room for 1 draft and the target's token
+    assert PlanningDrafter(Scripted(k=9), 4, near_end).propose([[5]], b.lens, b.toks) == [[6]]
+
+
+def test_the_real_planner_with_a_static_policy():
+    drafter = PlanningDrafter(build_planner(PluginOptions(policy="static:2"), num_speculative_tokens=4), 4, MAX_LEN)
+    b = Batch()
+    b.put(0, REPEATING + [5])
+    assert drafter.propose([[5]], b.lens, b.toks) == [[6, 7]]
+    b.append(0, [6, 7, 8])
+    assert drafter.propose([[6, 7, 8]], b.lens, b.toks) == [[5, 6]]
+    assert drafter.planner.num_decisions == 2 and drafter.stats.steps_observed == 1
+
+
+def test_bad_configuration_says_what_to_do():
+    with pytest.raises(PluginConfigError, match="SPECPLAN_PROFILE=PATH"):
+        build_planner(PluginOptions(), num_speculative_tokens=8)  # goodput needs a profile
+    with pytest.raises(PluginConfigError, match="num_speculative_tokens=6.*SPECPLAN_MAX_K=4"):
+        build_planner(PluginOptions(policy="static:2", max_k=6), num_speculative_tokens=4)
+    with pytest.raises(PluginConfigError, match="SPECPLAN_POLICY='nope'"):
+        build_planner(PluginOptions(policy="nope"), num_speculative_tokens=4)
+    with pytest.raises(PluginConfigError, match="SPECPLAN_SLA_ITL_MS='-3'"):
+        PluginOptions.from_env({"SPECPLAN_SLA_ITL_MS": "-3"})
+    with pytest.raises(PluginConfigError, match=r"supports vLLM 0\.32\.x, found 0\.11\.0; install"):
+        check_vllm_version("0.11.0")
+    check_vllm_version("0.32.0")
+    opts = PluginOptions.from_env({"SPECPLAN_POLICY": "static:3", "SPECPLAN_MAX_K": "3"})
+    assert (opts.policy, opts.max_k, opts.profile) == ("static:3", 3, None)
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    fields = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def synthetic_profile(hf_config, path: Path) -> Path:
+    """A profile for ``hf_config``'s model: flat up to 16 query tokens (memory-bound), then steep."""
+    from specplan.engine.config import ModelConfig
+    from specplan.profiler.fit import HingeLatencyModel
+    from specplan.profiler.profile import (CeilingsModel, CostConstants, DraftCost, FitError, Fingerprint, Profile,
+                                           model_config_hash)
+
+    latency = HingeLatencyModel(0.004, (16.0,), (4e-4,), 1e-8, 1e-5)
+    # As the built-in engine's profiler would write it (the kernels field names specplan's engine).
+    fp = Fingerprint(model="tiny", model_config_hash=model_config_hash(ModelConfig.from_hf(hf_config)),
+                     dtype="float32", device="cpu", threads=2, torch_version="2", cpu="test", kernels="torch")
+    Profile(fingerprint=fp,
+            ceilings=CeilingsModel(peak_flops=1e11, bandwidth=2e10, ridge=5.0),
+            cost=CostConstants(weight_bytes=1e6, flops_per_token=1e5, lm_head_flops_per_row=4e4,
+                               kv_bytes_per_token=1e3, attention_flops_per_token_pair=1e3),
+            latency_model=latency.to_dict(),
+            fit=FitError(heldout_mape=5, train_mape=4, roofline_mape=50, num_cells=8, num_heldout=2),
+            draft_costs={"ngram": DraftCost(per_token_s=1e-6)}, max_batch=32, max_tokens_per_seq=5).save(path)
+    return path
+
+
+def test_a_profile_for_another_model_is_refused(tmp_path):
+    from specplan.profiler.profile import ProfileError
+
+    path = synthetic_profile(tiny_llama_config(), tmp_path / "p.json")
+    with pytest.raises(ProfileError, match="another model.*specplan profile --model DIR"):
+        build_planner(PluginOptions(profile=str(path)), num_speculative_tokens=4,
+                      hf_config=tiny_llama_config(num_hidden_layers=3))
+    with pytest.raises(PluginConfigError, match="num_speculative_tokens=3 is below.*measured steps up to k = 4.*SPECPLAN_MAX_K=3"):
+        build_planner(PluginOptions(profile=str(path)), num_speculative_tokens=3, hf_config=tiny_llama_config())
+    planner = build_planner(PluginOptions(profile=str(path)), num_speculative_tokens=4, hf_config=tiny_llama_config())
+    assert planner.config.max_k == 4 and planner.latency is not None
+
+
+# ---------------------------------------------------------------- vLLM itself
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed here (CI has none); run this file with vLLM's python")
+
+PROMPTS = [[5, 9, 13, 17, 21, 25] * 4, [100, 200, 300, 400] * 5 + [7], [3, 4, 5, 6, 7, 8, 9, 10], [60, 61] * 6]
+PLUGIN = "specplan.integrations.vllm.SpecplanProposer"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config()).to(torch.float32).save_pretrained(d)
+    return d
+
+
+def vllm_greedy(model_dir: Path, spec: dict | None, max_tokens: int = 40) -> list[list[int]]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=256, max_num_seqs=8,
+              speculative_config=spec, enforce_eager=True, seed=0)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        del llm
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tiny_model_dir):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: one startup is enough
+    yield mp
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def vllm_off(vllm_env, tiny_model_dir) -> list[list[int]]:
+    return vllm_greedy(tiny_model_dir, None)
+
+
+def run_plugin(mp, model_dir: Path, stats: Path, k: int = 4, **env: str) -> tuple[list[list[int]], dict]:
+    for name in ("SPECPLAN_PROFILE", "SPECPLAN_MAX_K"):
+        mp.delenv(name, raising=False)
+    for name, value in env.items():
+        mp.setenv(name, value)
+    mp.setenv("SPECPLAN_VLLM_STATS", str(stats))
+    out = vllm_greedy(model_dir, {"method": "custom_class", "model": PLUGIN, "num_speculative_tokens": k})
+    return out, json.loads(stats.read_text())
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["static:3", "goodput"])
+def test_plugin_in_vllm_matches_vllm_off(policy, vllm_env, vllm_off, tiny_model_dir, tmp_path):
+    from transformers import AutoConfig
+
+    env = {"SPECPLAN_POLICY": policy}
+    if policy == "goodput":
+        env["SPECPLAN_PROFILE"] = str(synthetic_profile(AutoConfig.from_pretrained(tiny_model_dir),
+                                                        tmp_path / "profile.json"))
+    out, stats = run_plugin(vllm_env, tiny_model_dir, tmp_path / "stats.json", **env)
+    assert out == vllm_off  # greedy: token for token what vLLM emits without speculation
+    assert stats["calls"] > 0 and stats["drafts_proposed"] > 0 and stats["steps_observed"] > 0
+    print(f"{policy}: {stats}")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_plugin_with_k_zero_proposes_nothing(vllm_env, vllm_off, tiny_model_dir, tmp_path):
+    out, stats = run_plugin(vllm_env, tiny_model_dir, tmp_path / "stats.json", SPECPLAN_POLICY="static:0")
+    assert out == vllm_off
+    assert stats["calls"] > 0 and stats["drafts_proposed"] == 0
