@@ -353,6 +353,40 @@ def _tokens_per_s(output) -> float:
     return len(output.token_ids) / seconds if seconds > 0 else 0.0
 
 
+@app.command("export")
+def export_cmd(
+    profile: Annotated[Path, typer.Argument(help="A profile JSON (`specplan profile`).")],
+    format: Annotated[str, typer.Option("--format", help="vllm (num_speculative_tokens_per_batch_size) or trtllm (draft_len_schedule).")] = "vllm",
+    proposer: Annotated[str, typer.Option(help="Whose acceptance prior to assume (ngram, suffix).")] = "ngram",
+    acceptance: Annotated[Optional[float], typer.Option(help="Measured per-draft acceptance in [0, 1], instead of the proposer's prior.")] = None,
+    max_batch: Annotated[Optional[int], typer.Option(help="Largest batch size in the table (default: the profile's).")] = None,
+    max_k: Annotated[int, typer.Option(help="Deepest k to consider.")] = 8,
+    context: Annotated[int, typer.Option(help="Context tokens per request the table is priced at.")] = 512,
+) -> None:
+    """The batch-size -> k table for engines that cannot load specplan's plugin, from a profile's
+    latency model and an acceptance estimate (the planner's goodput math, uniform k per batch)."""
+    from specplan.export import FORMATS, k_table, prior_estimate, render
+    from specplan.profiler.latency_model import DraftCost
+    from specplan.profiler.profile import Profile, ProfileError
+
+    if format not in FORMATS:
+        fail(f"--format {format!r} is not one of {', '.join(FORMATS)}")
+    try:
+        prof = Profile.load(profile)
+        estimate = prior_estimate(proposer, max(max_k, 1), acceptance)
+        batches = max_batch or prof.max_batch
+        rows = k_table(prof.model(), estimate, max_batch=batches, max_k=max_k, context_tokens=context,
+                       draft_cost=prof.draft_costs.get(proposer, DraftCost()))
+    except (ProfileError, ValueError) as e:
+        fail(str(e).splitlines()[0])
+    meta = {"profile": str(profile), "proposer": proposer, "acceptance": acceptance if acceptance is not None else "prior",
+            "context_tokens": context, "max_batch": batches,
+            "profile_engine": prof.fingerprint.kernels, "model": prof.fingerprint.model}
+    doc, snippet = render(format, rows, meta)
+    typer.echo(json.dumps({**doc, "snippet": snippet}, indent=1))  # stdout: JSON only, for `> table.json`
+    typer.secho(snippet, err=True, fg=typer.colors.BRIGHT_BLACK)
+
+
 def main() -> None:
     app()
 
