@@ -26,7 +26,7 @@ from .model_runner import ModelRunner, ScheduledSeq, allocate_kv_cache, kv_bytes
 from .proposers.base import Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.factory import make_draft_model, make_proposer
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob, token_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .spec_decode.speculator import Proposal, Speculator
@@ -64,6 +64,10 @@ class RequestOutput:
     finish_reason: str | None
     num_preemptions: int = 0
     metrics: dict = field(default_factory=dict)
+    # When the request asked (SamplingParams.logprobs / prompt_logprobs): per generated token, and
+    # per prompt token (the first is None); the target's raw log-softmax, see SamplingParams.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLMEngine:
@@ -201,23 +205,33 @@ class LLMEngine:
         logits, num_tokens = self._forward(work)
         t2 = time.perf_counter()
         items = [w for w in work if w.num_logits]  # the items that sample: logits' row groups, in order
-        verdicts = self._verify(logits, items)
+        num_sampling_rows = sum(w.num_logits for w in items)
+        verdicts = self._verify(logits[:num_sampling_rows], items)
+        if num_sampling_rows < logits.shape[0]:  # rows after the sampling ones score prompts
+            self._score_prompts(work, logits[num_sampling_rows:])
         t3 = time.perf_counter()
         emitted = self._commit(work, items, verdicts, now=t3)
         total_s = time.perf_counter() - t0
         self._record(_StepParts(work, decodes, proposal, items, verdicts, emitted, num_tokens,
                                 propose_s=t1 - t0, forward_s=t2 - t1, verify_s=t3 - t2, total_s=total_s))
-        return [w.seq for w in items]
+        # Prompt-only requests (max_tokens=0) that finished this step changed too.
+        return [w.seq for w in items] + [w.seq for w in work if not w.num_logits and w.seq.is_finished]
 
     def _schedule(self) -> list[ScheduledSeq]:
         """The scheduler's picks as work items, in batch order. A chunk that reaches the end of its
         sequence's known tokens wants one logit (the next token is sampled after it); a prefill
-        chunk short of the end wants none."""
+        chunk short of the end wants none, and so does a prompt-only request (max_tokens=0). A
+        request with prompt logprobs also wants the rows of the chunk's positions that predict a
+        prompt token not scored yet (a recompute after preemption scores nothing twice)."""
         work = []
         for seq, n in self.scheduler.schedule().scheduled:
             start = seq.num_computed_tokens
-            samples = start + n == seq.num_tokens
-            work.append(ScheduledSeq(seq, seq.token_ids[start:start + n], start, 1 if samples else 0))
+            samples = start + n == seq.num_tokens and seq.params.max_tokens > 0
+            scored = range(0)
+            if seq.prompt_logprobs is not None:  # position p's logits predict token p + 1
+                scored = range(max(start, len(seq.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1))
+            work.append(ScheduledSeq(seq, seq.token_ids[start:start + n], start, 1 if samples else 0,
+                                     scored_positions=scored))
         return work
 
     def _plan(self, work: list[ScheduledSeq], decodes: list[int]) -> Proposal | None:
@@ -250,6 +264,16 @@ class LLMEngine:
         token (no drafts: just the next token); spec_decode/verifier.py."""
         return verify(logits, items, self.default_generator)
 
+    def _score_prompts(self, work: list[ScheduledSeq], logits: torch.Tensor) -> None:
+        """Prompt logprobs from logits [sum(len(scored_positions)), V] (the items' scored rows, in
+        order): the row of position p scores prompt token p + 1."""
+        scoring = [w for w in work if w.scored_positions]
+        tokens = [w.seq.token_ids[p + 1] for w in scoring for p in w.scored_positions]
+        num_top = [w.seq.params.prompt_logprobs for w in scoring for _ in w.scored_positions]
+        scored = iter(token_logprobs(logits, tokens, num_top))
+        for w in scoring:
+            w.seq.prompt_logprobs.extend(next(scored) for _ in w.scored_positions)
+
     def _commit(self, work: list[ScheduledSeq], items: list[ScheduledSeq], verdicts: list[Verdict],
                 now: float) -> dict[int, int]:
         """Make the verdicts the sequences' state: the K/V they keep, the tokens they gain, the
@@ -258,6 +282,9 @@ class LLMEngine:
         for w in work:
             if not w.num_logits:  # a prefill chunk short of the prompt's end: its K/V is all kept
                 w.seq.num_computed_tokens += len(w.token_ids)
+                if w.seq.num_computed_tokens == w.seq.num_tokens:  # a prompt-only request is done
+                    w.seq.finish_time = now
+                    self._finish(w.seq, "length")
         emitted: dict[int, int] = {}
         for w, v in zip(items, verdicts):
             seq = w.seq
@@ -266,6 +293,8 @@ class LLMEngine:
             # K/V is valid for the fed tokens up to the last accepted draft.
             seq.num_computed_tokens = w.start_position + len(w.token_ids) - w.num_drafts + v.num_accepted
             emitted[seq.seq_id] = self._append_tokens(seq, v.tokens, now)
+            if v.logprobs is not None:  # cut alike when a stop condition cut the tokens
+                seq.logprobs.extend(v.logprobs[:emitted[seq.seq_id]])
             if not seq.is_finished:
                 self.block_manager.trim(seq, seq.num_tokens)  # roll back rejected lookahead slots
         return emitted
@@ -371,7 +400,9 @@ class LLMEngine:
         metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
                    "finish_time": seq.finish_time, "spec": seq.spec.as_dict()}
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text,
-                             seq.is_finished, seq.finish_reason, seq.num_preemptions, metrics)
+                             seq.is_finished, seq.finish_reason, seq.num_preemptions, metrics,
+                             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                             prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], seen: int = 0) -> tuple[int, str] | None:

@@ -29,6 +29,9 @@ class ScheduledSeq:
     num_logits: int  # logits wanted for the last num_logits query tokens (0: mid-prefill chunk)
     tree: DraftTree | None = None  # token_ids are this tree's nodes (root first)
     draft_probs: torch.Tensor | None = None  # [num_drafts, V] q of a sampled model draft; None = one-hot
+    # Prompt logprobs: the positions of this chunk whose logits score the next prompt token. Their
+    # rows come after every item's sampling rows (``build_batch``), so verification never sees them.
+    scored_positions: range = range(0)
 
     @property
     def num_drafts(self) -> int:
@@ -83,6 +86,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_lens, seq_lens, logits_indices = [], [], []
+        scored_indices: list[int] = []  # prompt-logprob rows, after all the sampling rows
         tree_masks: dict[int, torch.Tensor] = {}
         for i, s in enumerate(scheduled):
             n = len(s.token_ids)
@@ -98,6 +102,8 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(s.start_position + n)
             logits_indices.extend(range(offset + n - s.num_logits, offset + n))
+            if s.scored_positions:
+                scored_indices.extend(offset + p - s.start_position for p in s.scored_positions)
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
         # The CPU kernel takes a tree row's visible nodes as one int64 (bit 63 is the sign).
@@ -116,7 +122,7 @@ class ModelRunner:
             seq_lens=t(seq_lens, torch.int32),
             slot_mapping=t(slots, torch.int64),
             block_tables=t(tables, torch.int32),
-            logits_indices=t(logits_indices, torch.int64),
+            logits_indices=t(logits_indices + scored_indices, torch.int64),
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
             tree_masks=tree_masks or None,
@@ -132,7 +138,8 @@ class ModelRunner:
         self.kv_cache[:, :, dst_t // bs, dst_t % bs] = self.kv_cache[:, :, src_t // bs, src_t % bs]
 
     def execute(self, batch: TokenBatch) -> torch.Tensor:
-        """Run one forward pass; logits [len(logits_indices), V] in fp32."""
+        """Run one forward pass; logits [len(logits_indices), V] in fp32: every item's sampling rows
+        (num_logits each, in order), then every item's scored_positions rows (in order)."""
         hidden = self.model.forward(batch, self.layer_caches, self.block_size)
         return self.model.compute_logits(hidden[batch.logits_indices])
 

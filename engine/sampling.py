@@ -1,4 +1,5 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds; and
+the target's log-probabilities of chosen tokens (``logprobs``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,19 @@ from dataclasses import dataclass
 import torch
 
 from .model import cpu_kernels
+
+
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's top_logprobs cap)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one token at its position, and the ``top`` alternatives
+    asked for: (token id, logprob) pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -26,6 +40,14 @@ class SamplingParams:
     # Force this request's number of speculative tokens per step (0 = never speculate); None lets
     # the engine's decider choose. specplan's extension (the server's {"spec": {"k": ...}}).
     num_speculative_tokens: int | None = None
+    # Log-probabilities (vLLM's names). None: none. N >= 0: per output token, the chosen token's
+    # logprob plus the N most likely tokens'; prompt_logprobs the same per prompt token (the first
+    # has none). They are the target model's RAW log-softmax of its logits at that position (vLLM's
+    # default "raw_logprobs"): before temperature, top-k and top-p, so they do not depend on the
+    # sampling settings, and with speculation they equal those of the same request without it
+    # (each token is scored at the position where it was accepted, draft, bonus or recovered).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,8 +57,15 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        # max_tokens=0 scores a prompt without generating (echo with prompt logprobs).
+        least = 0 if self.prompt_logprobs is not None else 1
+        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            raise ValueError(f"max_tokens must be an integer >= 1 (0 only with prompt_logprobs), "
+                             f"got {self.max_tokens!r}")
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
@@ -116,3 +145,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and cpu_kernels.load():
         return torch.ops.specplan_ops.argmax_rows(logits.contiguous())
     return logits.argmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """Row r of logits [R, V] scores token_ids[r]: its raw log-softmax value and the num_top[r] most
+    likely (id, logprob) pairs. One log_softmax and one topk over all R rows, on logits' device."""
+    if not token_ids:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=lp.device)  # [R]
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()  # [R]
+    n = max(num_top)
+    top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())  # [R, n] each
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [TokenLogprob(t, c, tuple(zip(top_ids[r][:k], top_lp[r][:k])))
+            for r, (t, c, k) in enumerate(zip(token_ids, chosen, num_top))]

@@ -10,7 +10,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .metrics import SpecCounters
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 
 
 class SequenceStatus(Enum):
@@ -41,10 +41,18 @@ class Sequence:
     text: str = ""  # detokenized output, truncated at a stop string (set when it finishes)
     detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer)  # for stop strings
     spec: SpecCounters = field(default_factory=SpecCounters)  # this request's speculation counters
+    # When asked for (params.logprobs / params.prompt_logprobs), else None: one entry per output
+    # token; one per prompt token scored so far (the first prompt token has none: None).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -325,7 +325,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "spec": {"k": -1}}, 400, "spec"),
     ("/v1/completions", {"prompt": "hi", "spec": {"k": 99}}, 400, "spec"),
     ("/v1/completions", {"prompt": "hi", "spec": {"kk": 1}}, 400, "spec"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # 0..20 are served (test_logprobs.py)
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),

@@ -34,7 +34,8 @@ from ..config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from ..decider import SpecDecider
 from ..engine import LLMEngine
 from ..sampling import SamplingParams
-from .loop import Accepted, EngineLoop, Failed, Finished, Job, LoopStopped, Progress, QueueFull
+from .logprobs import TokenStrings, chat_content, completion_logprobs, joined
+from .loop import Accepted, ChoiceResult, Delta, EngineLoop, Failed, Finished, Job, LoopStopped, Progress, QueueFull
 from .metrics import ServerMetrics
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -123,6 +124,7 @@ class _Server:
                 raise ApiError(400, f"spec.k must be at most {self.max_k} (the server's max_k), got {k}",
                                param="spec")
         top_k = req.top_k if req.top_k is not None else 0
+        logprobs, prompt_logprobs = self._logprob_params(req, max_tokens)
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -130,9 +132,26 @@ class _Server:
                 seed=req.seed, max_tokens=max_tokens if max_tokens is not None else 1,
                 stop=req.stop_strings(), stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-                num_speculative_tokens=k)
+                num_speculative_tokens=k, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+
+    @staticmethod
+    def _logprob_params(req: CompletionRequest | ChatCompletionRequest,
+                        max_tokens: int | None) -> tuple[int | None, int | None]:
+        """(SamplingParams.logprobs, prompt_logprobs) for a request: chat's logprobs + top_logprobs,
+        completions' logprobs (+ echo: the prompt's too)."""
+        if isinstance(req, ChatCompletionRequest):
+            if req.top_logprobs is not None and not req.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return (req.top_logprobs or 0) if req.logprobs else None, None
+        prompt_logprobs = req.logprobs if req.echo else None
+        if max_tokens == 0:
+            if not req.echo:
+                raise ApiError(400, "max_tokens 0 needs echo: true (it scores the prompt)", param="max_tokens")
+            if prompt_logprobs is None:  # the engine runs a prompt-only request to score it
+                prompt_logprobs = 0
+        return req.logprobs, prompt_logprobs
 
     def make_job(self, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> Job:
         self.check_model(req.model)
@@ -149,6 +168,7 @@ class _Server:
             job.messages = [m.as_template_input() for m in req.messages]
         else:
             job.prompts = req.prompts()
+            job.echo = req.echo
             if not job.prompts:
                 raise ApiError(400, "prompt must not be empty", param="prompt")
         limit = min(MAX_SEQS_PER_REQUEST, self.loop.max_num_seqs + self.loop.max_queued)
@@ -219,14 +239,54 @@ class _Server:
                  "total_tokens": fin.prompt_tokens + fin.completion_tokens}
         if chat:
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": None, "finish_reason": c.finish_reason} for c in fin.choices]
+                        "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                       for c in fin.choices]
             obj = "chat.completion"
         else:
-            choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-                       for c in fin.choices]
+            choices = [self._completion_choice(job, c) for c in fin.choices]
             obj = "text_completion"
         return {"id": job.id, "object": obj, "created": int(time.time()), "model": self.name,
                 "system_fingerprint": None, "choices": choices, "usage": usage}
+
+    # ---- logprobs in OpenAI's formats (engine/server/logprobs.py) ----------------------------------
+    def _token_strings(self) -> TokenStrings:
+        if getattr(self, "_strings", None) is None:
+            self._strings = TokenStrings(self.loop.engine.tokenizer)
+        return self._strings
+
+    def _chat_logprobs(self, entries) -> dict | None:
+        return {"content": chat_content(entries, self._token_strings())} if entries is not None else None
+
+    def _echo_text(self, job: Job, index: int) -> str:
+        """The prompt of choice ``index`` as text (echo)."""
+        prompt = job.prompts[index // job.params.n]
+        if isinstance(prompt, str):
+            return prompt
+        tok = self.loop.engine.tokenizer
+        return tok.decode(prompt, skip_special_tokens=False) if tok is not None else ""
+
+    def _completion_piece(self, job: Job, index: int, text: str, entries, prompt, offset: int,
+                          first: bool) -> tuple[str, dict | None]:
+        """Choice ``index``'s text and logprobs for the tokens ``entries``, whose text starts at
+        ``offset`` of the choice's text. ``first``: the choice's first piece, which echo starts
+        with the prompt (and its logprobs, from ``prompt``)."""
+        strings = self._token_strings()
+        head_text, head = "", None
+        if job.echo and first:
+            head_text = self._echo_text(job, index)
+            if job.params.logprobs is not None and prompt is not None:
+                head = completion_logprobs(prompt.token_ids, prompt.logprobs, strings, offset)
+        logprobs = None
+        if job.params.logprobs is not None:
+            entries = entries or []
+            logprobs = completion_logprobs([e.token_id for e in entries], entries, strings, offset + len(head_text))
+            if head is not None:
+                logprobs = joined(head, logprobs)
+        return head_text + text, logprobs
+
+    def _completion_choice(self, job: Job, c: ChoiceResult) -> dict:
+        text, logprobs = self._completion_piece(job, c.index, c.text, c.logprobs, c.prompt, 0, first=True)
+        return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
     async def _stream(self, job: Job, chat: bool, include_usage: bool):
         created = int(time.time())
@@ -239,15 +299,29 @@ class _Server:
                 payload["usage"] = usage
             return _sse(payload)
 
-        def choice(index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        def choice(index: int, text: str | None, finish_reason: str | None, role: bool = False,
+                   logprobs: dict | None = None) -> dict:
             if chat:
                 delta: dict = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+                return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+        sent: dict[int, int] = {}  # completions: choice index -> characters of its text sent so far
+
+        def delta_choice(d: Delta) -> dict:
+            """A delta's choice: with speculation, its logprobs may hold several tokens."""
+            if chat:
+                return choice(d.index, d.text if d.text else None, d.finish_reason,
+                              logprobs=self._chat_logprobs(d.logprobs))
+            offset = sent.get(d.index)
+            text, logprobs = self._completion_piece(job, d.index, d.text, d.logprobs, d.prompt, offset or 0,
+                                                    first=offset is None)
+            sent[d.index] = (offset or 0) + len(text)
+            return choice(d.index, text, d.finish_reason, logprobs=logprobs)
 
         if chat:
             for i in range(job.num_seqs):
@@ -256,7 +330,7 @@ class _Server:
             event = await job.events.get()
             if isinstance(event, Progress):
                 for d in event.deltas:
-                    yield chunk([choice(d.index, d.text if (d.text or not chat) else None, d.finish_reason)])
+                    yield chunk([delta_choice(d)])
             elif isinstance(event, Finished):
                 job.done = True
                 if include_usage:

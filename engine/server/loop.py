@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..decider import predicted_step_s
 from ..detokenizer import IncrementalDetokenizer
 from ..engine import LLMEngine, RequestError
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenLogprob
 from ..sequence import Sequence
 from .metrics import ServerMetrics
 from .protocol import ApiError
@@ -50,6 +50,15 @@ class Delta:
     index: int  # choice index: prompt_index * n + sample_index
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # of the tokens new since the last delta (when asked)
+    # A choice's first delta, when prompt logprobs were asked: the prompt and its logprobs (for echo).
+    prompt: PromptLogprobs | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # the first is None
 
 
 @dataclass
@@ -63,6 +72,8 @@ class ChoiceResult:
     text: str
     finish_reason: str | None
     num_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # per output token, when asked
+    prompt: PromptLogprobs | None = None  # when prompt logprobs were asked
 
 
 @dataclass
@@ -82,6 +93,10 @@ class _Track:
     text: str = ""  # the final text, once finished
     detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer)  # text decoded so far
     sent_chars: int = 0  # characters already sent as deltas
+    sent_logprobs: int = 0  # output tokens whose logprobs were already sent as deltas
+    sent_prompt: bool = False  # the prompt's logprobs were sent (streaming echo)
+    logprobs: list[TokenLogprob] | None = None  # the final per-token logprobs, once finished
+    prompt: PromptLogprobs | None = None  # the prompt's logprobs, once finished
 
 
 @dataclass(eq=False)
@@ -95,6 +110,7 @@ class Job:
     messages: list[dict] | None = None  # a chat: the prompt is the chat template applied to these
     max_tokens: int | None = None  # None: as many as the context allows (chat default)
     stream: bool = False
+    echo: bool = False  # completions: the choices' text (and logprobs) start with the prompt's
     arrival: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Set by the asyncio side (the engine thread reads abort_requested to skip a job whose client left).
@@ -407,13 +423,26 @@ class EngineLoop:
             if seq.is_finished:
                 finish = track.finish_reason = seq.finish_reason or "stop"
                 track.text = seq.text
+                track.logprobs = seq.logprobs
+                if seq.prompt_logprobs is not None:
+                    track.prompt = PromptLogprobs(seq.prompt_token_ids, seq.prompt_logprobs)
                 text = _final_delta(track)
                 m.request_success.labels(finished_reason=finish).inc()
                 job.num_finished[p_idx] += 1
             else:
                 text = _running_delta(track, self.engine.tokenizer, out_ids, seq.params)
-            if text or finish:
-                deltas.append(Delta(index, text, finish))
+            if not job.stream:
+                continue
+            logprobs = prompt = None
+            if seq.logprobs is not None and len(seq.logprobs) > track.sent_logprobs:
+                logprobs = seq.logprobs[track.sent_logprobs:]
+                track.sent_logprobs = len(seq.logprobs)
+            # The prompt is scored once its prefill is done, which is before any delta.
+            if seq.prompt_logprobs is not None and not track.sent_prompt:
+                prompt = PromptLogprobs(seq.prompt_token_ids, seq.prompt_logprobs)
+                track.sent_prompt = True
+            if text or finish or logprobs or prompt:
+                deltas.append(Delta(index, text, finish, logprobs, prompt))
         if new_total:
             m.generation_tokens.inc(new_total)
         if job.num_finished[p_idx] == n and self.engine.pop_finished(rid) is not None:
@@ -424,7 +453,8 @@ class EngineLoop:
         if job.num_rids_done == len(job.rids):
             self._jobs.pop(job.id, None)
             m.e2e.observe(now - job.arrival)
-            choices = [ChoiceResult(i, t.text, t.finish_reason, t.num_tokens) for i, t in enumerate(job.tracks)]
+            choices = [ChoiceResult(i, t.text, t.finish_reason, t.num_tokens, t.logprobs, t.prompt)
+                       for i, t in enumerate(job.tracks)]
             self._send(job, Finished(choices, job.prompt_tokens, sum(c.num_tokens for c in choices)))
 
 

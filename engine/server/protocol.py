@@ -4,6 +4,8 @@ Requests are parsed from the raw body in JSON mode and strictly: ``"max_tokens":
 error, not a coercion. Fields the engine does not implement (logprobs, penalties, tools, ...) are
 rejected with a 400 naming the field when they ask for something non-default, so a client never
 gets a silently different behaviour. Unknown fields are ignored, as OpenAI-compatible servers do.
+Logprobs are the target model's raw log-softmax (before temperature / top-k / top-p; see
+``SamplingParams``): chat ``logprobs`` + ``top_logprobs``, completions ``logprobs`` + ``echo``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..sampling import MAX_LOGPROBS
 
 
 class ApiError(Exception):
@@ -51,8 +55,6 @@ def _off(value: Any) -> bool:
 
 
 _UNSUPPORTED_COMMON = {
-    "logprobs": _off,
-    "top_logprobs": _off,
     "presence_penalty": _off,
     "frequency_penalty": _off,
     "repetition_penalty": lambda v: v is None or v == 1,
@@ -60,7 +62,6 @@ _UNSUPPORTED_COMMON = {
     "min_tokens": _off,
 }
 _UNSUPPORTED_COMPLETION = {
-    "echo": _off,
     "suffix": lambda v: v is None or v == "",
     "best_of": lambda v: v is None or v == 1,
 }
@@ -108,7 +109,10 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
+    # The chosen token's logprob and the `logprobs` most likely per token (OpenAI caps it at 5).
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # prepend the prompt (and, with logprobs, its tokens' logprobs)
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +151,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 

@@ -15,7 +15,7 @@ import torch
 
 from ..drafts import DraftTree
 from ..model_runner import ScheduledSeq
-from ..sampling import greedy_tokens, probabilities
+from ..sampling import TokenLogprob, greedy_tokens, probabilities, token_logprobs
 from .rejection_sampler import accept_greedy, rejection_sample, verify_greedy, verify_tree
 
 
@@ -26,6 +26,22 @@ class Verdict:
     tokens: list[int]  # accepted drafts, then the bonus or recovered token
     num_accepted: int
     path: list[int] | None = None  # tree: node indices of the accepted branch (root excluded)
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked (params.logprobs)
+
+    @property
+    def rows(self) -> list[int]:
+        """Per emitted token, the row of its item's logits it was judged against (the target's
+        distribution at that token's position).
+
+        Linear drafts: row j scores the token after query token j, so emitted token j is row j.
+        Tree: row t scores the token after node t; an accepted node was judged at its parent's
+        row, the final token at the last accepted node's row. Worked example: root r (node 0)
+        with children x (1) and y (2), y with children z (3) and w (4). Accepting y then w gives
+        path [2, 4] and emits [y, w, b]: y judged at row 0 (after r), w at row 2 (after y), b
+        (bonus or recovered) at row 4 (after w); rows = [0] + path = [0, 2, 4]."""
+        if self.path is None:
+            return list(range(len(self.tokens)))
+        return [0] + self.path
 
 
 
@@ -132,4 +148,21 @@ def verify(logits: torch.Tensor, items: list[ScheduledSeq], default_generator: t
                               exponential=expo)
         emitted, path = res.token_lists()[0], res.accepted_nodes[0][1:]  # drop the root
         verdicts[i] = Verdict(emitted, len(path), path)
+    _attach_logprobs(logits, items, starts, verdicts)  # type: ignore[arg-type]
     return verdicts  # type: ignore[return-value]
+
+
+def _attach_logprobs(logits: torch.Tensor, items: list[ScheduledSeq], starts: list[int],
+                     verdicts: list[Verdict]) -> None:
+    """Score every emitted token of the items that asked for logprobs, in one batched pass over
+    just their rows (nothing runs when no request asked)."""
+    asking = [i for i, w in enumerate(items) if w.seq.params.logprobs is not None]
+    if not asking:
+        return
+    rows = [starts[i] + r for i in asking for r in verdicts[i].rows]
+    tokens = [t for i in asking for t in verdicts[i].tokens]
+    num_top = [items[i].seq.params.logprobs for i in asking for _ in verdicts[i].tokens]
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [rows]
+    scored = iter(token_logprobs(logits[index], tokens, num_top))
+    for i in asking:
+        verdicts[i].logprobs = [next(scored) for _ in verdicts[i].tokens]
