@@ -17,12 +17,12 @@ from .proposers.base import Proposer
 from .proposers.factory import make_proposer
 from .proposers.ngram import NgramProposer
 from .proposers.suffix import SuffixProposer
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 from .sequence import Sequence
 
 __all__ = [
     # building and running an engine
-    "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestError", "Sequence",
+    "LLM", "LLMEngine", "SamplingParams", "TokenLogprob", "RequestOutput", "RequestError", "Sequence",
     "EngineConfig", "CacheConfig", "SchedulerConfig", "SpecConfig", "ModelConfig",
     "LoadedModel", "ModelLoadError", "default_model_path", "load_model",
     # the decider seam (a planner implements SpecDecider)
