@@ -16,7 +16,8 @@ import os
 import socket
 import tempfile
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import typer
 
@@ -61,7 +62,7 @@ def reports_errors(command: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 -- anything not recognised as bad input re-raises
+        except Exception as e:  # anything not recognised as bad input re-raises
             message = _message(e)
             if message is None or os.environ.get("SPECPLAN_DEBUG"):
                 raise
@@ -72,7 +73,7 @@ def reports_errors(command: Callable) -> Callable:
 
 
 # ---- numbers -------------------------------------------------------------------------------------
-def at_least(value: int | float | None, minimum: int | float, option: str) -> None:
+def at_least(value: float | None, minimum: float, option: str) -> None:
     """``value >= minimum`` (None: not given, fine)."""
     if value is not None and not value >= minimum:
         fail(f"{option} must be at least {minimum}, got {value}; pass {option} {max(minimum, 1)} or more")
