@@ -15,8 +15,8 @@ import math
 import os
 import socket
 import tempfile
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 import typer
