@@ -48,8 +48,9 @@ def make_planner(loaded: LoadedModel, *, proposer: str, policy: str | None, prof
     from specplan.planner.from_profile import planner_from_profile
     from specplan.policies import make_policy
 
+    rule = make_policy(policy or "goodput")  # ValueError for a bad name before a profile is measured
     profile = load_or_make_profile(loaded, profile_path)
-    return planner_from_profile(profile, make_policy(policy or "goodput"), proposer=proposer, max_k=max_k,
+    return planner_from_profile(profile, rule, proposer=proposer, max_k=max_k,
                                 sla_itl_s=sla_itl_ms / 1000 if sla_itl_ms is not None else None)
 
 

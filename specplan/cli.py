@@ -10,7 +10,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from specplan import cli_checks as check
 from specplan.bench.cli import bench_app
+from specplan.cli_checks import fail, reports_errors
 
 # Engine sizing options shared by `serve` and `sweep`.
 MaxNumSeqs = Annotated[int, typer.Option(help="Sequences in the running batch at once.")]
@@ -26,13 +28,37 @@ def _root() -> None:
     """specplan: adaptive speculative decoding, planned from the roofline."""
 
 
-def fail(message: str) -> None:
-    """One clear line on stderr, no traceback."""
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(1)
+PROPOSERS = ("ngram", "suffix", "layer-skip", "draft")  # engine/proposers/factory.py
+# Commands without a --draft-model option take the proposers that need no second model.
+SELF_DRAFTING = ("ngram", "suffix", "layer-skip")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+def _check_speculation(proposer: str | None, spec_k: int | None, max_k: int | None, draft_model: str | None,
+                       draft_layers: int, model: str | None) -> None:
+    """The options shared by generate and serve, before anything loads."""
+    check.model_path(model)
+    if proposer is not None:
+        check.choice(proposer, PROPOSERS, "--proposer")
+    check.at_least(spec_k, 1, "--spec-k")
+    check.at_least(max_k, 1, "--max-k")
+    check.at_least(draft_layers, 1, "--draft-layers")
+    if proposer == "draft" and draft_model is None:
+        fail("--proposer draft needs a draft model; pass --draft-model PATH (a model with the target's vocabulary)")
+    check.model_path(draft_model, "--draft-model")
+
+
+def _check_adaptive(adaptive: bool, policy: str | None, profile: str | None, sla_itl_ms: float | None) -> None:
+    if not adaptive and (policy is not None or profile is not None or sla_itl_ms is not None):
+        fail("--policy, --profile and --sla-itl-ms only apply with --adaptive; add --adaptive or drop them")
+    if policy is not None:
+        check.policy(policy)
+    check.positive(sla_itl_ms, "--sla-itl-ms")
+    check.profile_file(profile)
 
 
 @app.command()
+@reports_errors
 def generate(
     prompts: Annotated[list[str], typer.Argument(help="One or more prompts.")],
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
@@ -54,18 +80,21 @@ def generate(
     sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target in ms (with --adaptive).")] = None,
 ) -> None:
     """Generate text for each prompt with the built-in engine."""
-    from specplan.engine import LLM, ModelLoadError, RequestError, SamplingParams, load_model
-    from specplan.profiler.profile import ProfileError
-
-    try:
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                max_tokens=max_tokens, stop=tuple(stop or ()))
-    except ValueError as e:
-        fail(str(e))
     if any(not p for p in prompts):
-        fail("a prompt is empty")
-    if not adaptive and (policy is not None or profile is not None or sla_itl_ms is not None):
-        fail("--policy, --profile and --sla-itl-ms only apply with --adaptive")
+        fail("a prompt is empty; pass non-empty text, e.g. specplan generate 'Hello'")
+    check.at_least(max_tokens, 1, "--max-tokens")
+    check.at_least(temperature, 0, "--temperature")
+    if not 0 < top_p <= 1:
+        fail(f"--top-p must be in (0, 1], got {top_p}; pass e.g. --top-p 0.9 (1 = no limit)")
+    check.at_least(top_k, 0, "--top-k")
+    if stop is not None and not all(stop):
+        fail("--stop got an empty string; pass the text to stop at, e.g. --stop '\\n\\n'")
+    _check_speculation(proposer, spec_k, None, draft_model, draft_layers, model)
+    _check_adaptive(adaptive, policy, profile, sla_itl_ms)
+    from specplan.engine import LLM, SamplingParams, load_model
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            max_tokens=max_tokens, stop=tuple(stop or ()))
     if adaptive:
         proposer = proposer or "ngram"
     spec = None
@@ -73,25 +102,19 @@ def generate(
         spec = {"proposer": proposer, "k": spec_k, "max_k": max(spec_k, 8), "draft_model": draft_model,
                 "draft_layers": draft_layers}
     t0 = time.perf_counter()
-    try:
-        loaded = load_model(model)
-        decider = None
-        if adaptive:
-            from specplan.adaptive import make_planner
+    loaded = load_model(model)
+    decider = None
+    if adaptive:
+        from specplan.adaptive import make_planner
 
-            decider = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
-                                   sla_itl_ms=sla_itl_ms, max_k=max(spec_k, 8))
-        llm = LLM(speculative_config=spec, decider=decider, loaded=loaded)
-    except (ModelLoadError, ProfileError, ValueError) as e:
-        fail(str(e))
+        decider = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
+                               sla_itl_ms=sla_itl_ms, max_k=max(spec_k, 8))
+    llm = LLM(speculative_config=spec, decider=decider, loaded=loaded)
     load_s = time.perf_counter() - t0
-    try:
-        inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts] if chat else prompts
-        t0 = time.perf_counter()
-        outputs = llm.generate(inputs, params, progress=not as_json and sys.stderr.isatty())
-        elapsed = time.perf_counter() - t0
-    except (RequestError, ValueError) as e:
-        fail(str(e))
+    inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts] if chat else prompts
+    t0 = time.perf_counter()
+    outputs = llm.generate(inputs, params, progress=not as_json and sys.stderr.isatty())
+    elapsed = time.perf_counter() - t0
     total = sum(len(o.token_ids) for o in outputs)
     for prompt, o in zip(prompts, outputs):
         if as_json:
@@ -115,6 +138,7 @@ def generate(
 
 
 @app.command()
+@reports_errors
 def serve(
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
     proposer: Annotated[Optional[str], typer.Option(help="Speculate with: ngram | suffix | layer-skip | draft (default: no speculation).")] = None,
@@ -137,29 +161,31 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
-    if not adaptive and (policy is not None or profile is not None or sla_itl_ms is not None):
-        fail("--policy, --profile and --sla-itl-ms only apply with --adaptive")
-    from specplan.engine import ModelLoadError, load_model
+    _check_speculation(proposer, spec_k, max_k, draft_model, draft_layers, model)
+    _check_adaptive(adaptive, policy, profile, sla_itl_ms)
+    for value, option in ((max_num_seqs, "--max-num-seqs"), (max_num_batched_tokens, "--max-num-batched-tokens"),
+                          (max_model_len, "--max-model-len"), (kv_cache_mib, "--kv-cache-mib")):
+        check.at_least(value, 1, option)
+    check.at_least(max_queued, 0, "--max-queued")
+    check.choice(log_level, LOG_LEVELS, "--log-level")
+    check.listen_address(host, port)
+    from specplan.engine import load_model
     from specplan.engine.server import build_engine
     from specplan.engine.server.app import serve as run_server
-    from specplan.profiler.profile import ProfileError
 
     t0 = time.perf_counter()
-    try:
-        loaded = load_model(model)
-        decider = None
-        if adaptive:
-            from specplan.adaptive import make_planner
+    loaded = load_model(model)
+    decider = None
+    if adaptive:
+        from specplan.adaptive import make_planner
 
-            proposer = proposer or "ngram"
-            decider = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
-                                   sla_itl_ms=sla_itl_ms, max_k=max_k if max_k is not None else 8)
-        engine = build_engine(model, proposer=proposer, spec_k=spec_k, max_k=max_k, draft_model=draft_model,
-                              draft_layers=draft_layers, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                              kv_cache_bytes=kv_cache_mib * 1024**2, decider=decider, loaded=loaded)
-    except (ModelLoadError, ProfileError, ValueError) as e:
-        fail(str(e))
+        proposer = proposer or "ngram"
+        decider = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
+                               sla_itl_ms=sla_itl_ms, max_k=max_k if max_k is not None else 8)
+    engine = build_engine(model, proposer=proposer, spec_k=spec_k, max_k=max_k, draft_model=draft_model,
+                          draft_layers=draft_layers, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                          kv_cache_bytes=kv_cache_mib * 1024**2, decider=decider, loaded=loaded)
     spec_line = f"{proposer} k={spec_k}" if proposer else "no speculation"
     if adaptive:
         spec_line = f"{proposer}, adaptive ({policy or 'goodput'} policy" + (
@@ -172,6 +198,7 @@ def serve(
 
 
 @app.command("profile")
+@reports_errors
 def profile_cmd(
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
     quick: Annotated[bool, typer.Option("--quick/--full", help="Quick grid (under 3 minutes) or the full one.")] = True,
@@ -183,31 +210,22 @@ def profile_cmd(
     import shlex
     import sys
 
-    from specplan.engine import ModelLoadError
+    check.model_path(model)
+    check.at_least(draft_layers, 1, "--draft-layers")
+    check.output_file(out, "--out", "profile.json")
+    check.output_dir(report_dir, "--report-dir")
     from specplan.profiler.run import run_profile
 
-    try:
-        profile, path, report = run_profile(model, quick=quick, out=out, report_dir=report_dir,
-                                            layer_skip_layers=draft_layers,
-                                            command="specplan " + shlex.join(sys.argv[1:]))
-    except ModelLoadError as e:
-        fail(str(e))
+    profile, path, report = run_profile(model, quick=quick, out=out, report_dir=report_dir,
+                                        layer_skip_layers=draft_layers,
+                                        command="specplan " + shlex.join(sys.argv[1:]))
     f = profile.fit
     typer.echo(f"profile: {path}\nreport:  {report}\nlatency model error on held-out cells: {f.heldout_mape:.1f}% "
                f"(pure roofline: {f.roofline_mape:.1f}%)")
 
 
-def _floats(text: str, what: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        fail(f"{what} must be comma-separated numbers, got {text!r}")
-    if not values:
-        fail(f"{what} is empty")
-    return values
-
-
 @app.command()
+@reports_errors
 def sweep(
     policies: Annotated[str, typer.Option(help="Comma-separated policies: off, static:K, batch_table, heuristic, roofline, goodput.")] = "off,static:2,static:4,batch_table,heuristic,goodput",
     rates: Annotated[Optional[str], typer.Option(help="Comma-separated request rates (req/s, Poisson arrivals; 'inf' = all at once).")] = None,
@@ -240,46 +258,63 @@ def sweep(
     """Run every policy at every load level against an in-process server; write parquet results and the report."""
     import shlex
 
-    from specplan.engine import ModelLoadError
-    from specplan.profiler.profile import ProfileError
-    from specplan.bench.workloads import WorkloadUnavailableError
-
     if (rates is None) == (concurrency is None):
-        fail("give exactly one of --rates and --concurrency")
+        fail("give exactly one of --rates and --concurrency, e.g. --rates 1,2,4")
     if duration_s is not None and num_requests is not None:
         fail("give --duration-s or --num-requests, not both")
     if duration_s is None and num_requests is None:
         duration_s = 60.0
-    names = [p.strip() for p in policies.split(",") if p.strip()]
-    if not names:
-        fail("--policies is empty")
-    try:
-        from specplan.policies import make_policy
-
-        for p in names:
-            make_policy(p)
-    except ValueError as e:
-        fail(str(e))
-    levels = _floats(rates, "--rates") if rates is not None else _floats(concurrency, "--concurrency")
+    names = [check.policy(p, "--policies") for p in check.items(policies, "--policies")]
+    levels = (check.float_list(rates, "--rates") if rates is not None
+              else check.int_list(concurrency, "--concurrency", 1))
+    check.choice(workload, _workload_names(), "--workload")
+    check.choice(proposer, SELF_DRAFTING, "--proposer")
+    for value, option in ((sla_ttft_ms, "--sla-ttft-ms"), (sla_itl_ms, "--sla-itl-ms"), (sla_tpot_ms, "--sla-tpot-ms"),
+                          (sla_e2el_ms, "--sla-e2el-ms"), (duration_s, "--duration-s"),
+                          (drain_timeout_s, "--drain-timeout-s"), (burstiness, "--burstiness")):
+        check.positive(value, option)
+    for value, option in ((num_requests, "--num-requests"), (max_tokens, "--max-tokens"),
+                          (max_input_tokens, "--max-input-tokens"), (max_k, "--max-k"),
+                          (max_num_seqs, "--max-num-seqs"), (kv_cache_mib, "--kv-cache-mib"),
+                          (max_model_len, "--max-model-len")):
+        check.at_least(value, 1, option)
+    check.at_least(warmup_requests, 0, "--warmup-requests")
+    check.at_least(temperature, 0, "--temperature")
+    check.model_path(model)
+    check.profile_file(profile)
+    _check_workload_data(workload)
+    check.output_dir(out, "--out")
     from specplan.bench.sweep import run_sweep
 
-    try:
-        path = run_sweep(names, rates=levels if rates is not None else None, workload=workload,
-                         sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms, sla_tpot_ms=sla_tpot_ms, sla_e2el_ms=sla_e2el_ms,
-                         duration_s=duration_s, num_requests=num_requests, out_dir=out, model=model, proposer=proposer,
-                         profile=profile, seed=seed, concurrency=[int(x) for x in levels] if concurrency is not None else None,
-                         max_tokens=max_tokens, max_input_tokens=max_input_tokens, warmup_requests=warmup_requests,
-                         drain_timeout_s=drain_timeout_s, burstiness=burstiness, temperature=temperature,
-                         ignore_eos=ignore_eos, max_k=max_k, client_process=not in_process_client,
-                         engine_kwargs={"max_num_seqs": max_num_seqs, "kv_cache_bytes": kv_cache_mib * 1024**2,
-                                        "max_model_len": max_model_len},
-                         progress=sys.stderr.isatty(), command="specplan " + shlex.join(sys.argv[1:]))
-    except (ModelLoadError, ProfileError, WorkloadUnavailableError, ValueError) as e:
-        fail(str(e))
+    path = run_sweep(names, rates=levels if rates is not None else None, workload=workload,
+                     sla_ttft_ms=sla_ttft_ms, sla_itl_ms=sla_itl_ms, sla_tpot_ms=sla_tpot_ms, sla_e2el_ms=sla_e2el_ms,
+                     duration_s=duration_s, num_requests=num_requests, out_dir=out, model=model, proposer=proposer,
+                     profile=profile, seed=seed, concurrency=[int(x) for x in levels] if concurrency is not None else None,
+                     max_tokens=max_tokens, max_input_tokens=max_input_tokens, warmup_requests=warmup_requests,
+                     drain_timeout_s=drain_timeout_s, burstiness=burstiness, temperature=temperature,
+                     ignore_eos=ignore_eos, max_k=max_k, client_process=not in_process_client,
+                     engine_kwargs={"max_num_seqs": max_num_seqs, "kv_cache_bytes": kv_cache_mib * 1024**2,
+                                    "max_model_len": max_model_len},
+                     progress=sys.stderr.isatty(), command="specplan " + shlex.join(sys.argv[1:]))
     typer.echo(f"results: {path}/requests.parquet, {path}/levels.parquet\nreport:  {path}/report.md")
 
 
+def _workload_names() -> tuple[str, ...]:
+    from specplan.bench.workloads import WORKLOADS
+
+    return (*WORKLOADS, "mix")
+
+
+def _check_workload_data(*names: str) -> None:
+    """The workloads' data packages are installed (WorkloadUnavailableError names the pip package)."""
+    from specplan.bench.workloads import data_files
+
+    if names:
+        data_files()  # every workload's file: cheap, and "mix" needs them all
+
+
 @app.command()
+@reports_errors
 def report(
     out: Annotated[Path, typer.Argument(help="A sweep folder (what `specplan sweep --out` wrote).")],
     sla_ttft_ms: Annotated[Optional[float], typer.Option(help="Re-judge with this TTFT target (ms).")] = None,
@@ -291,6 +326,12 @@ def report(
     from specplan.bench.sla import SLA
     from specplan.bench.sweep_report import load_results, render_report
 
+    check.positive(sla_ttft_ms, "--sla-ttft-ms")
+    check.positive(sla_itl_ms, "--sla-itl-ms")
+    if not out.exists():
+        fail(f"{out} does not exist; give the folder a sweep wrote (specplan sweep --out {out})")
+    if not out.is_dir():
+        fail(f"{out} is a file; give the folder a sweep wrote (the one holding sweep.json)")
     sla = None
     try:
         if sla_ttft_ms is not None or sla_itl_ms is not None:
@@ -298,12 +339,16 @@ def report(
             sla = dataclasses.replace(SLA(**config.get("sla", {})),
                                       **{k: v for k, v in (("ttft_ms", sla_ttft_ms), ("itl_ms", sla_itl_ms)) if v is not None})
         path = render_report(out, sla=sla)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        fail(str(e))
+    except FileNotFoundError as e:
+        fail(str(e) if e.filename is None else f"{e.filename} is missing; run `specplan sweep --out {out}` again")
+    except (KeyError, TypeError, ValueError, OSError) as e:  # pyarrow's errors are OSError/ValueError kinds
+        fail(f"{out} holds corrupted or foreign sweep results ({type(e).__name__}: {e}); "
+             f"run `specplan sweep --out {out}` again")
     typer.echo(f"wrote {path}")
 
 
 @app.command("evaluate")
+@reports_errors
 def evaluate_cmd(
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
     proposers: Annotated[str, typer.Option(help="Comma-separated proposers to evaluate.")] = "ngram",
@@ -323,21 +368,26 @@ def evaluate_cmd(
 
     import pandas as pd
 
+    proposer_names = check.choices(proposers, SELF_DRAFTING, "--proposers")
+    workload_names = check.choices(workloads, _workload_names()[:-1], "--workloads")
+    sizes = check.int_list(batch_sizes, "--batch-sizes", 1)
+    policy_names = tuple(check.policy(p, "--policies") for p in check.items(policies, "--policies"))
+    for value, option in ((max_tokens, "--max-tokens"), (repeats, "--repeats"), (min_requests, "--min-requests")):
+        check.at_least(value, 1, option)
+    check.model_path(model)
+    check.profile_file(profile)
+    _check_workload_data(*workload_names)
+    check.output_dir(out, "--out")
     from specplan.adaptive import load_or_make_profile
-    from specplan.engine import ModelLoadError, load_model
+    from specplan.engine import load_model
     from specplan.bench.evaluate import evaluate, render_evaluation
-    from specplan.profiler.profile import ProfileError
 
-    try:
-        loaded = load_model(model)
-        prof = load_or_make_profile(loaded, profile)
-    except (ModelLoadError, ProfileError) as e:
-        fail(str(e))
-    frames = [evaluate(loaded, prof, proposer=p, workloads=tuple(workloads.split(",")),
-                       batch_sizes=tuple(int(b) for b in batch_sizes.split(",")),
-                       policies=tuple(policies.split(",")), max_tokens=max_tokens, repeats=repeats,
+    loaded = load_model(model)
+    prof = load_or_make_profile(loaded, profile)
+    frames = [evaluate(loaded, prof, proposer=p, workloads=workload_names, batch_sizes=sizes,
+                       policies=policy_names, max_tokens=max_tokens, repeats=repeats,
                        min_requests=min_requests, null_control=null_control, clairvoyant=clairvoyant)
-              for p in proposers.split(",")]
+              for p in proposer_names]
     path = render_evaluation(pd.concat(frames, ignore_index=True), out,
                              "specplan " + shlex.join(sys.argv[1:]))
     typer.echo(f"wrote {path}")

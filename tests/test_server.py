@@ -422,11 +422,11 @@ def test_cli_serve_bad_arguments_get_one_line(tmp_path):
 
     runner = CliRunner()
     r = runner.invoke(app, ["serve", "--policy", "goodput"])
-    assert r.exit_code == 1 and "only apply with --adaptive" in r.output
+    assert r.exit_code == 2 and "only apply with --adaptive" in r.output
     bad = tmp_path / "broken.json"
     bad.write_text('{"version": 1, "fingerprint": {')
     r = runner.invoke(app, ["serve", "--adaptive", "--profile", str(bad)])
-    assert r.exit_code == 1 and "corrupted" in r.output and "specplan profile" in r.output
+    assert r.exit_code == 2 and "corrupted" in r.output and "specplan profile" in r.output
     r = runner.invoke(app, ["serve", "--model", "/nonexistent/model"])
-    assert r.exit_code == 1 and "does not exist" in r.output
+    assert r.exit_code == 2 and "does not exist" in r.output
     assert len([line for line in r.output.splitlines() if line.strip()]) == 1

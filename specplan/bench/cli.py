@@ -9,15 +9,18 @@ from typing import Annotated, Optional
 
 import typer
 
+from specplan import cli_checks as check
+from specplan.cli_checks import reports_errors
+
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Benchmarks: measured side by side in one run, medians of repeats.")
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+LLAMA_CPP_FIX = "install it with `pip install -e '.[bench]'` (builds from source, about 9 minutes)"
 
 
 @bench_app.command("engine")
+@reports_errors
 def bench_engine(
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf (default: embedded SmolLM2).")] = None,
@@ -29,25 +32,31 @@ def bench_engine(
     llama_cpp: Annotated[bool, typer.Option(help="Include llama.cpp (needs the bench extra).")] = True,
 ) -> None:
     """Step time vs Hugging Face transformers and the roofline floor; single-stream generation."""
+    check.at_least(repeats, 1, "--repeats")
+    sizes = check.int_list(batch_sizes, "--batch-sizes", 1)
+    widths = check.int_list(tokens_per_seq, "--tokens-per-seq", 1)
+    check.at_least(context, 1, "--context")
+    check.model_path(model)
+    if not no_hf:
+        check.installed("transformers", "transformers", "install it with `pip install transformers` or pass --no-hf")
+    if llama_cpp:
+        check.installed("llama_cpp", "llama-cpp-python", LLAMA_CPP_FIX + " or pass --no-llama-cpp")
+    check.output_dir(out, "--out")
     from specplan.bench.engine_bench import run_engine_bench
 
     gguf = None
     if llama_cpp:
-        try:
-            import llama_cpp  # noqa: F401
+        from specplan.bench.spec_bench import f32_gguf
 
-            from specplan.bench.spec_bench import f32_gguf
-
-            gguf = f32_gguf()
-        except ImportError:
-            typer.secho("llama.cpp not installed (pip install -e '.[bench]'): skipping it", err=True)
-    path = run_engine_bench(out, model, repeats, _ints(batch_sizes), _ints(tokens_per_seq), context,
+        gguf = f32_gguf()
+    path = run_engine_bench(out, model, repeats, sizes, widths, context,
                             include_hf=not no_hf, llama_cpp_gguf=gguf,
                             command="specplan " + shlex.join(sys.argv[1:]))
     typer.echo(f"wrote {path}")
 
 
 @bench_app.command("spec")
+@reports_errors
 def bench_spec(
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
     prompts_per_workload: Annotated[int, typer.Option(help="Prompts per workload (code, summarization, chat).")] = 1,
@@ -59,11 +68,24 @@ def bench_spec(
     no_llama_cpp: Annotated[bool, typer.Option("--no-llama-cpp", help="Skip llama.cpp.")] = False,
 ) -> None:
     """Batch-1 speculative decoding: specplan's proposers x k vs transformers and llama.cpp prompt lookup."""
+    for value, option in ((prompts_per_workload, "--prompts-per-workload"), (max_new_tokens, "--max-new-tokens"),
+                          (repeats, "--repeats")):
+        check.at_least(value, 1, option)
+    static_ks = check.int_list(ks, "--ks", 0)
+    proposer_names = check.choices(proposers, ("ngram", "suffix", "layer-skip"), "--proposers")
+    if not no_hf:
+        check.installed("transformers", "transformers", "install it with `pip install transformers` or pass --no-hf")
+    if not no_llama_cpp:
+        check.installed("llama_cpp", "llama-cpp-python", LLAMA_CPP_FIX + " or pass --no-llama-cpp")
+    from specplan.bench.workloads import data_files
+
+    data_files()
+    check.output_dir(out, "--out")
     from specplan.bench.spec_bench import run_spec_bench
 
     try:
         run_spec_bench(out_dir=out, prompts_per_workload=prompts_per_workload, max_new_tokens=max_new_tokens,
-                       repeats=repeats, ks=_ints(ks), proposers=tuple(proposers.split(",")),
+                       repeats=repeats, ks=static_ks, proposers=proposer_names,
                        include_hf=not no_hf, include_llama_cpp=not no_llama_cpp,
                        command="specplan " + shlex.join(sys.argv[1:]))
     except AssertionError as e:  # a speculative output differed from plain greedy: the report says where
