@@ -404,6 +404,7 @@ def _tokens_per_s(output) -> float:
 
 
 @app.command("export")
+@reports_errors
 def export_cmd(
     profile: Annotated[Path, typer.Argument(help="A profile JSON (`specplan profile`).")],
     format: Annotated[str, typer.Option("--format", help="vllm (num_speculative_tokens_per_batch_size) or trtllm (draft_len_schedule).")] = "vllm",
@@ -417,18 +418,15 @@ def export_cmd(
     latency model and an acceptance estimate (the planner's goodput math, uniform k per batch)."""
     from specplan.export import FORMATS, k_table, prior_estimate, render
     from specplan.profiler.latency_model import DraftCost
-    from specplan.profiler.profile import Profile, ProfileError
+    from specplan.profiler.profile import Profile
 
     if format not in FORMATS:
-        fail(f"--format {format!r} is not one of {', '.join(FORMATS)}")
-    try:
-        prof = Profile.load(profile)
-        estimate = prior_estimate(proposer, max(max_k, 1), acceptance)
-        batches = max_batch or prof.max_batch
-        rows = k_table(prof.model(), estimate, max_batch=batches, max_k=max_k, context_tokens=context,
-                       draft_cost=prof.draft_costs.get(proposer, DraftCost()))
-    except (ProfileError, ValueError) as e:
-        fail(str(e).splitlines()[0])
+        fail(f"--format {format!r} is not one of {', '.join(FORMATS)}; pass --format vllm or --format trtllm")
+    prof = Profile.load(profile)  # a bad profile: ProfileError, one line (reports_errors)
+    estimate = prior_estimate(proposer, max(max_k, 1), acceptance)
+    batches = max_batch or prof.max_batch
+    rows = k_table(prof.model(), estimate, max_batch=batches, max_k=max_k, context_tokens=context,
+                   draft_cost=prof.draft_costs.get(proposer, DraftCost()))
     meta = {"profile": str(profile), "proposer": proposer, "acceptance": acceptance if acceptance is not None else "prior",
             "context_tokens": context, "max_batch": batches,
             "profile_engine": prof.fingerprint.kernels, "model": prof.fingerprint.model}

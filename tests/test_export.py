@@ -73,8 +73,8 @@ def test_cli_prints_json_and_says_what_is_wrong(tmp_path):
     result = runner.invoke(app, ["export", str(path), "--format", "trtllm", "--acceptance", "0.9"])
     assert result.exit_code == 0 and "draft_len_schedule" in json.loads(result.stdout)
     bad = runner.invoke(app, ["export", str(tmp_path / "missing.json")])
-    assert bad.exit_code == 1 and "does not exist" in bad.output and "Traceback" not in bad.output
+    assert bad.exit_code == 2 and "does not exist" in bad.output and "Traceback" not in bad.output
     bad = runner.invoke(app, ["export", str(path), "--acceptance", "1.5"])
-    assert bad.exit_code == 1 and "acceptance must be in [0, 1]" in bad.output
+    assert bad.exit_code == 2 and "acceptance must be in [0, 1]" in bad.output
     bad = runner.invoke(app, ["export", str(path), "--format", "sglang"])
-    assert bad.exit_code == 1 and "not one of vllm, trtllm" in bad.output
+    assert bad.exit_code == 2 and "not one of vllm, trtllm" in bad.output
