@@ -25,7 +25,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -35,6 +35,7 @@ from ..decider import SpecDecider
 from ..engine import LLMEngine
 from ..sampling import SamplingParams
 from .loop import Accepted, EngineLoop, Failed, Finished, Job, LoopStopped, Progress, QueueFull
+from . import openapi as api_doc
 from .metrics import ServerMetrics
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -288,7 +289,10 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         finally:
             await asyncio.get_running_loop().run_in_executor(None, server.loop.stop)
 
-    app = FastAPI(title="specplan", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specplan", version=api_doc.VERSION, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json",
+                  description="An OpenAI-compatible server for specplan's speculative-decoding engine.")
+    api_doc.install(app)
     app.state.server = server
     app.add_middleware(_StatusCounter, metrics=server.metrics)
 
@@ -314,11 +318,11 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         server.metrics.http_responses.labels(endpoint="other", status="500").inc()
         return _error_response(ApiError(500, f"internal server error: {type(exc).__name__}", type="internal_error"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **api_doc.completion_route(chat=False))
     async def completions(request: Request):
         return await server.handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **api_doc.completion_route(chat=True))
     async def chat_completions(request: Request):
         return await server.handle(request, chat=True)
 
@@ -326,26 +330,26 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         return {"id": server.name, "object": "model", "created": server.created, "owned_by": "specplan",
                 "max_model_len": server.max_model_len}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **api_doc.LIST_MODELS)
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", **api_doc.RETRIEVE_MODEL)
     async def model(model_id: str):
         server.check_model(model_id)
         return model_card()
 
-    @app.get("/health")
+    @app.get("/health", **api_doc.HEALTH)
     async def health():
         if not server.loop.alive:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, **api_doc.METRICS)
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/debug/engine")
+    @app.get("/debug/engine", **api_doc.DEBUG_ENGINE)
     async def debug_engine():
         return server.loop.snapshot()
 
