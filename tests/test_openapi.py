@@ -10,6 +10,7 @@ minute on 2 cores).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from datetime import timedelta
 
@@ -130,6 +131,32 @@ HANDPICKED = [  # the paths a random body rarely reaches, each validated like a 
 def test_handpicked_responses_conform(api, server, path, body):
     case = api[path]["POST"].Case(body=body, media_type="application/json")
     case.call_and_validate(base_url=server.url, checks=CHECKS, timeout=30)
+
+
+def test_queue_full_answers_the_documented_429(api, server):
+    """A busy server's 429 (with its Retry-After header) is the documented one."""
+    busy = {"prompt": "hello", "max_tokens": 100, "n": 8, "stream": True}  # fills 4 running + 4 queued
+    with httpx.stream("POST", server.url + "/v1/completions", json=busy, timeout=30) as stream:
+        assert stream.status_code == 200
+        case = api["/v1/completions"]["POST"].Case(body={"prompt": "hi", "n": 2}, media_type="application/json")
+        response = case.call_and_validate(base_url=server.url, checks=CHECKS, timeout=30)
+        assert response.status_code == 429
+    wait_pool_full(server)  # leaving the stream cancelled its job
+
+
+def test_checks_catch_a_wrong_stream_schema(server, doc):
+    """The stream events are really validated: against a chunk schema the server does not keep, a
+    streamed completion fails the checks (and a streamed chat, whose chunks differ, does not)."""
+    wrong = copy.deepcopy(doc)
+    wrong["components"]["schemas"]["CompletionChunk"]["required"].append("not_sent")
+    api = schemathesis.openapi.from_dict(wrong)
+    body = {"prompt": "hello", "max_tokens": 3, "stream": True}
+    case = api["/v1/completions"]["POST"].Case(body=body, media_type="application/json")
+    with pytest.raises(schemathesis.errors.FailureGroup, match="SSE event violates schema"):
+        case.call_and_validate(base_url=server.url, checks=CHECKS, timeout=30)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    api["/v1/chat/completions"]["POST"].Case(body=chat, media_type="application/json").call_and_validate(
+        base_url=server.url, checks=CHECKS, timeout=30)
 
 
 def _integral(value):

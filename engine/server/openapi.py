@@ -190,8 +190,13 @@ def _json(description: str, model: type[BaseModel]) -> dict:
     return {"description": description, "content": {"application/json": {"schema": _ref(model)}}}
 
 
-def _error(description: str) -> dict:
-    return _json(description, ErrorResponse)
+def _error(description: str, retry_after: bool | None = None) -> dict:
+    """An error response; ``retry_after``: True if it always carries Retry-After, False if only sometimes."""
+    response = _json(description, ErrorResponse)
+    if retry_after is not None:
+        response["headers"] = {"Retry-After": {"required": retry_after, "schema": {"type": "integer", "minimum": 0},
+                                               "description": "Seconds to wait before retrying."}}
+    return response
 
 
 # ---- per-route keyword arguments for app.get / app.post -------------------------------------------------
@@ -219,12 +224,15 @@ def completion_route(chat: bool) -> dict:
             200: {"description": "The completion (JSON), or a stream of chunks (SSE) when `stream` is true.",
                   "content": {"application/json": {"schema": _ref(response)},
                               "text/event-stream": {"schema": _sse_event(chunk)}}},
+            # No 413 (a body over 8 MiB is a 400) and no 422 (validation errors are 400s, as OpenAI's);
+            # 499 (the client left) is only logged and counted: no client ever reads it.
             400: _error("Invalid request: malformed JSON, a wrong type or value (`param` names the field), "
-                        "an unsupported option set to a non-default value, a prompt longer than the context."),
+                        "an unsupported option set to a non-default value, a prompt longer than the context, "
+                        "a body over 8 MiB."),
             404: _error("`model` names a model this server does not serve (`code`: `model_not_found`)."),
-            429: _error("Too many requests waiting (`code`: `rate_limit_exceeded`); retry after `Retry-After` s."),
+            429: _error("Too many requests waiting (`code`: `rate_limit_exceeded`).", retry_after=True),
             500: _error("Internal error in the engine."),
-            503: _error("The engine is not running or is shutting down; retry after `Retry-After` s."),
+            503: _error("The engine is not running (with Retry-After) or is shutting down.", retry_after=False),
         },
     )
 
