@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus text)
-and ``GET /debug/engine`` (JSON: KV blocks free/total, running/waiting, active jobs).
+and ``GET /debug/engine`` (JSON: KV blocks free/total, running/waiting, active jobs). The
+contract is published at ``GET /openapi.json`` (OpenAPI 3.1, see openapi.py) and ``GET /docs``.
 
 One engine thread serves every request (see loop.py). Speculation is steered by the
 engine's decider: a fixed k by default; ``build_engine(decider=...)`` / ``serve(decider=...)``
@@ -34,8 +35,8 @@ from ..config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from ..decider import SpecDecider
 from ..engine import LLMEngine
 from ..sampling import SamplingParams
-from .loop import Accepted, EngineLoop, Failed, Finished, Job, LoopStopped, Progress, QueueFull
 from . import openapi as api_doc
+from .loop import Accepted, EngineLoop, Failed, Finished, Job, LoopStopped, Progress, QueueFull
 from .metrics import ServerMetrics
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
 
