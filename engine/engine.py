@@ -124,6 +124,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if params.top_k >= vocab:  # keeping the whole vocabulary is no limit (and fits any tensor dtype)
+            params = replace(params, top_k=0)
         total = len(ids) + params.max_tokens
         if len(ids) >= self.max_model_len:
             raise RequestError(

@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus text)
-and ``GET /debug/engine`` (JSON: KV blocks free/total, running/waiting, active jobs).
+and ``GET /debug/engine`` (JSON: KV blocks free/total, running/waiting, active jobs). The
+contract is published at ``GET /openapi.json`` (OpenAPI 3.1, see openapi.py) and ``GET /docs``.
 
 One engine thread serves every request (see loop.py). Speculation is steered by the
 engine's decider: a fixed k by default; ``build_engine(decider=...)`` / ``serve(decider=...)``
@@ -25,7 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -34,6 +35,7 @@ from ..config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from ..decider import SpecDecider
 from ..engine import LLMEngine
 from ..sampling import SamplingParams
+from . import openapi as api_doc
 from .logprobs import TokenStrings, chat_content, completion_logprobs, joined
 from .loop import Accepted, ChoiceResult, Delta, EngineLoop, Failed, Finished, Job, LoopStopped, Progress, QueueFull
 from .metrics import ServerMetrics
@@ -362,7 +364,10 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         finally:
             await asyncio.get_running_loop().run_in_executor(None, server.loop.stop)
 
-    app = FastAPI(title="specplan", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specplan", version=api_doc.VERSION, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json",
+                  description="An OpenAI-compatible server for specplan's speculative-decoding engine.")
+    api_doc.install(app)
     app.state.server = server
     app.add_middleware(_StatusCounter, metrics=server.metrics)
 
@@ -388,11 +393,11 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         server.metrics.http_responses.labels(endpoint="other", status="500").inc()
         return _error_response(ApiError(500, f"internal server error: {type(exc).__name__}", type="internal_error"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **api_doc.completion_route(chat=False))
     async def completions(request: Request):
         return await server.handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **api_doc.completion_route(chat=True))
     async def chat_completions(request: Request):
         return await server.handle(request, chat=True)
 
@@ -400,26 +405,26 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         return {"id": server.name, "object": "model", "created": server.created, "owned_by": "specplan",
                 "max_model_len": server.max_model_len}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **api_doc.LIST_MODELS)
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", **api_doc.RETRIEVE_MODEL)
     async def model(model_id: str):
         server.check_model(model_id)
         return model_card()
 
-    @app.get("/health")
+    @app.get("/health", **api_doc.HEALTH)
     async def health():
         if not server.loop.alive:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, **api_doc.METRICS)
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/debug/engine")
+    @app.get("/debug/engine", **api_doc.DEBUG_ENGINE)
     async def debug_engine():
         return server.loop.snapshot()
 
