@@ -81,15 +81,9 @@ class Completion(_Doc):
     usage: Usage
 
 
-class CompletionChunk(_Doc):
+class CompletionChunk(Completion):
     """One ``data:`` event of a streamed completion (``usage`` only with stream_options.include_usage)."""
 
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    system_fingerprint: str | None
-    choices: list[CompletionChoice]
     usage: Usage | None = None
 
 
