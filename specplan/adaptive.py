@@ -35,7 +35,7 @@ def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: t
             return profile
         except ProfileError as e:
             typer.secho(f"warning: {e}; making a fresh one", err=True, fg=typer.colors.YELLOW)
-    typer.secho("[no profile for this model and machine yet: measuring a quick one (under 3 minutes)]", err=True,
+    typer.secho("[no profile for this model and machine yet: measuring a quick one (a few minutes; it is cached for later runs)]", err=True,
                 fg=typer.colors.BRIGHT_BLACK)
     # The report goes beside the cached profile: serving must not rewrite the repository's reports/.
     profile, path, report = run_profile(loaded=loaded, quick=True, report_dir=profile_cache_dir())
