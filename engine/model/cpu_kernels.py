@@ -1,7 +1,8 @@
 """The engine's C++ CPU kernels (engine/model/csrc/), built into one extension on first use.
 
 Ops: ``torch.ops.specplan_attn.paged_attention_cpu`` (engine/model/attention_cpu.py),
-``torch.ops.specplan_linear.packed_linear`` (engine/model/linear.py), the fused per-layer ops
+``torch.ops.specplan_linear.packed_linear`` (engine/model/linear.py),
+``torch.ops.specplan_linear.quant_linear`` (engine/model/quant.py), the fused per-layer ops
 ``torch.ops.specplan_ops.*`` (engine/model/layer_ops.py) and ``specplan_ops.decoder_layers``, which
 chains them over a model's decoder layers (engine/model/transformer.py). The extension compiles once
 (about 20-40 s on 2 cores) and is cached by torch.utils.cpp_extension under
@@ -25,7 +26,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_attention.cpp", "packed_linear.cpp", "fused_ops.cpp", "decoder_layers.cpp")]
+            for name in ("paged_attention.cpp", "packed_linear.cpp", "quant_linear.cpp", "fused_ops.cpp",
+                         "decoder_layers.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("kernels.h", "vec_math.h")]
 # Python code that shapes a CPU step's speed beside the kernels (the KV cache's storage order, the
 # layer loop): part of build_id, so a profile timed on other code is measured again.
@@ -54,15 +56,21 @@ def build_config() -> tuple[str, list[str]]:
     # -ffp-contract=fast: a*b+c becomes one FMA (ISO C++ mode would otherwise forbid it).
     # -Wno-psabi: GCC notes that wide vector arguments change ABI without AVX (internal only).
     flags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
-    isa_flags = {"avx512": ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"], "generic": []}
+    # -mf16c: the quantised kernels read fp16 block scales (every AVX2 CPU has F16C);
+    # avx512vnni: their int8 dot products in one instruction (vpdpbusd) instead of two or three.
+    avx2 = ["-mavx2", "-mfma", "-mf16c"]
+    avx512 = ["-mavx512f", "-mavx512vl", *avx2]
+    isa_flags = {"avx512vnni": [*avx512, "-mavx512bw", "-mavx512vnni"], "avx512": avx512, "avx2": avx2, "generic": []}
     cpu = _cpu_flags()
-    if {"avx512f", "avx512vl", "avx2", "fma"} <= cpu:
+    if {"avx512f", "avx512vl", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"} <= cpu:
+        isa = "avx512vnni"
+    elif {"avx512f", "avx512vl", "avx2", "fma", "f16c"} <= cpu:
         isa = "avx512"
-    elif {"avx2", "fma"} <= cpu:
+    elif {"avx2", "fma", "f16c"} <= cpu:
         isa = "avx2"
     else:
         isa = "generic"
-    # SPECPLAN_CPU_ISA=avx2|generic builds a narrower variant (to test the fallbacks on a wide CPU).
+    # SPECPLAN_CPU_ISA=avx512|avx2|generic builds a narrower variant (to test the fallbacks on a wide CPU).
     forced = os.environ.get("SPECPLAN_CPU_ISA")
     if forced:
         order = list(isa_flags)
@@ -76,6 +84,7 @@ def _ops_registered() -> bool:
     try:
         torch.ops.specplan_attn.paged_attention_cpu  # noqa: B018 -- raises if not registered
         torch.ops.specplan_linear.packed_linear  # noqa: B018
+        torch.ops.specplan_linear.quant_linear  # noqa: B018
         torch.ops.specplan_ops.silu_mul  # noqa: B018
         torch.ops.specplan_ops.argmax_rows  # noqa: B018
         torch.ops.specplan_ops.decoder_layers  # noqa: B018

@@ -9,11 +9,16 @@ other dtypes, no compiler) plain ``F.linear``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
 from .huge_pages import huge_page_zeros
+
+if TYPE_CHECKING:
+    from .quant import QuantWeight
 
 PANEL = 32  # output columns per packed panel (NR in packed_linear.cpp)
 
@@ -81,5 +86,20 @@ def packed_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and cpu_kernels.load()
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False) -> Linear:
+def make_linear(weight: "torch.Tensor | QuantWeight", bias: torch.Tensor | None = None, packed: bool = False) -> Linear:
+    """The engine's kernel for ``weight`` when ``packed`` (fp32: PackedLinear; Q8_0 / Q4_0 / Q4_1
+    blocks: engine/model/quant.py's QuantLinear), else F.linear (a quantised weight dequantised)."""
+    from .quant import QuantLinear, QuantWeight  # quant.py builds on this module
+
+    if isinstance(weight, QuantWeight):
+        return QuantLinear(weight, bias) if packed else Linear(weight.dequantize(), bias)
     return PackedLinear(weight, bias) if packed else Linear(weight, bias)
+
+
+def concat_weights(weights: "list[torch.Tensor | QuantWeight]") -> "torch.Tensor | QuantWeight":
+    """Weights stacked along their output features (the fused QKV and gate + up projections)."""
+    from .quant import QuantWeight, cat_rows
+
+    if any(isinstance(w, QuantWeight) for w in weights):
+        return cat_rows([w if isinstance(w, QuantWeight) else QuantWeight.quantize(w, "q8_0") for w in weights])
+    return torch.cat(weights)

@@ -10,7 +10,8 @@
 //   decoder_layers(h [N, E], x [N, E], weights[6 L], biases[2 L], kv_caches[2 L], ...) -> [N, E]
 //
 // h is the residual stream (updated in place) and x the first layer's normed input. Per layer l:
-//   weights[6l .. 6l+5] = qkv, o, gate_up, down (packed [P, K, 32], engine/model/linear.py),
+//   weights[6l .. 6l+5] = qkv, o, gate_up, down (packed [P, K, 32] float32, engine/model/linear.py,
+//                         or quantised [P, K / 32, bytes per block] uint8, engine/model/quant.py),
 //                         post_norm [E], next_norm [E] (layer l+1's input norm; the final norm
 //                         after the last layer)
 //   biases[2l], biases[2l+1] = the qkv and o biases, or None
@@ -46,15 +47,15 @@ at::Tensor decoder_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
     const at::Tensor* w = weights.data() + 6 * l;
     const at::Tensor& k_cache = kv_caches[2 * l];
     const at::Tensor& v_cache = kv_caches[2 * l + 1];
-    const int64_t intermediate = w[3].size(1);  // down's input width
-    const at::Tensor qkv = packed_linear(x, w[0], (num_heads + 2 * KVH) * D, biases.get(2 * l));  // [N, (H + 2 KVH) D]
+    const int64_t intermediate = any_linear_in_features(w[3]);  // down's input width
+    const at::Tensor qkv = any_linear(x, w[0], (num_heads + 2 * KVH) * D, biases.get(2 * l));  // [N, (H + 2 KVH) D]
     const at::Tensor q = rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, KVH);
     const at::Tensor attn = paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                                 positions, scale, sliding_window, tree_bits);  // [N, H, D]
-    const at::Tensor o = packed_linear(attn.view({N, num_heads * D}), w[1], E, biases.get(2 * l + 1));  // [N, E]
+    const at::Tensor o = any_linear(attn.view({N, num_heads * D}), w[1], E, biases.get(2 * l + 1));  // [N, E]
     x = add_rms_norm_(h, o, w[4], eps);
-    const at::Tensor act = silu_mul(packed_linear(x, w[2], 2 * intermediate, std::nullopt));  // [N, I]
-    x = add_rms_norm_(h, packed_linear(act, w[3], E, std::nullopt), w[5], eps);
+    const at::Tensor act = silu_mul(any_linear(x, w[2], 2 * intermediate, std::nullopt));  // [N, I]
+    x = add_rms_norm_(h, any_linear(act, w[3], E, std::nullopt), w[5], eps);
   }
   return x;
 }

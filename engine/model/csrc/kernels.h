@@ -12,6 +12,13 @@ namespace specplan {
 // packed_linear.cpp: y [M, N] = x [M, K] W^T (+ bias), W packed by engine/model/linear.py.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias);
 
+// quant_linear.cpp: the same product with W in Q8_0 / Q4_0 / Q4_1 blocks, packed [P, K / 32, bytes
+// per block] uint8 by engine/model/quant.py. any_linear runs whichever of the two a packed weight
+// is for (uint8: quantised, float32: packed_linear); any_linear_in_features is its K.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias);
+at::Tensor any_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias);
+int64_t any_linear_in_features(const at::Tensor& packed);
+
 // fused_ops.cpp
 at::Tensor add_rms_norm_(at::Tensor h, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
