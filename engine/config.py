@@ -42,6 +42,8 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    # The projections' block formats when quantized ("q4_1+q8_0": engine/model/quant.py), else None.
+    quantization: str | None = None
 
     @staticmethod
     def from_hf(hf_config: Any, name: str = "model") -> "ModelConfig":
@@ -124,6 +126,8 @@ class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the embedded default
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    # none | gguf (a GGUF's Q8_0/Q4_0/Q4_1 as stored) | int8 | q4 (quantised at load): load_model
+    quantize: str | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

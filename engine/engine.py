@@ -74,7 +74,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None,
                  decider: SpecDecider | None = None, draft_loaded: LoadedModel | None = None):
         self.config = config
-        loaded = loaded or load_model(config.model, dtype=config.dtype)
+        loaded = loaded or load_model(config.model, dtype=config.dtype, quantize=config.quantize)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name

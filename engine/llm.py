@@ -20,6 +20,7 @@ class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
     ``model``: a Hugging Face directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
+    ``quantize``: none | gguf | int8 | q4 (load_model's; engine/model/quant.py).
     ``speculative_config``: None (no speculation), a SpecConfig, or a dict of its fields, e.g.
     ``{"proposer": "ngram", "k": 4}``. ``decider``: who picks k per request each step (default:
     the fixed k of the config; specplan's planner for adaptive speculation).
@@ -29,10 +30,11 @@ class LLM:
                  block_size: int = 16, kv_cache_bytes: int = 512 * 1024**2, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int = 2048, seed: int = 0,
                  speculative_config: SpecConfig | dict | None = None, decider: SpecDecider | None = None,
-                 loaded: LoadedModel | None = None, draft_loaded: LoadedModel | None = None):
+                 loaded: LoadedModel | None = None, draft_loaded: LoadedModel | None = None,
+                 quantize: str | None = None):
         spec = SpecConfig(**speculative_config) if isinstance(speculative_config, dict) else speculative_config
         config = EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed, spec=spec,
+            model=model, dtype=dtype, device=device, quantize=quantize, seed=seed, spec=spec,
             cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),

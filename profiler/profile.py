@@ -136,12 +136,16 @@ def model_config_hash(model_config) -> str:
 
     cfg = asdict(model_config)
     cfg.pop("name", None)
+    cfg.pop("quantization", None)  # the weights' format is part of the dtype (fingerprint)
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def fingerprint(model_config, dtype: torch.dtype, device: str) -> Fingerprint:
+    # A quantized engine is another machine: its own profile (dtype "float32-q4_1+q8_0").
+    quant = getattr(model_config, "quantization", None)
+    dtype_name = str(dtype).removeprefix("torch.") + (f"-{quant}" if quant else "")
     return Fingerprint(model=model_config.name, model_config_hash=model_config_hash(model_config),
-                       dtype=str(dtype).removeprefix("torch."), device=str(device), threads=torch.get_num_threads(),
+                       dtype=dtype_name, device=str(device), threads=torch.get_num_threads(),
                        torch_version=torch.__version__, cpu=cpu_name(), kernels=_kernels(device))
 
 

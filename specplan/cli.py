@@ -18,6 +18,7 @@ from specplan.cli_checks import fail, reports_errors
 MaxNumSeqs = Annotated[int, typer.Option(help="Sequences in the running batch at once.")]
 MaxModelLen = Annotated[int, typer.Option(help="Prompt plus output tokens per request.")]
 KvCacheMib = Annotated[int, typer.Option(help="KV cache budget in MiB.")]
+Quantize = Annotated[str, typer.Option(help="Weights: none (float32) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 blocks as stored) | int8 | q4 (quantized at load).")]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="specplan: adaptive speculative decoding, planned from the roofline.")
@@ -78,6 +79,7 @@ def generate(
     policy: Annotated[Optional[str], typer.Option(help="Planner policy, e.g. goodput, static:4, heuristic (with --adaptive).")] = None,
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (with --adaptive; default: cached or a fresh quick one).")] = None,
     sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target in ms (with --adaptive).")] = None,
+    quantize: Quantize = "none",
 ) -> None:
     """Generate text for each prompt with the built-in engine."""
     if any(not p for p in prompts):
@@ -102,7 +104,7 @@ def generate(
         spec = {"proposer": proposer, "k": spec_k, "max_k": max(spec_k, 8), "draft_model": draft_model,
                 "draft_layers": draft_layers}
     t0 = time.perf_counter()
-    loaded = load_model(model)
+    loaded = load_model(model, quantize=quantize)
     decider = None
     if adaptive:
         from specplan.adaptive import make_planner
@@ -159,6 +161,7 @@ def serve(
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (with --adaptive).")] = None,
     sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target in ms (with --adaptive).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    quantize: Quantize = "none",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     _check_speculation(proposer, spec_k, max_k, draft_model, draft_layers, model)
@@ -174,7 +177,7 @@ def serve(
     from specplan.engine.server.app import serve as run_server
 
     t0 = time.perf_counter()
-    loaded = load_model(model)
+    loaded = load_model(model, quantize=quantize)
     decider = None
     if adaptive:
         from specplan.adaptive import make_planner
@@ -205,6 +208,7 @@ def profile_cmd(
     out: Annotated[Optional[Path], typer.Option(help="Profile JSON path (default: the cache, where serve --adaptive finds it).")] = None,
     report_dir: Annotated[Path, typer.Option(help="Where the Markdown report and plots go.")] = Path("reports"),
     draft_layers: Annotated[int, typer.Option(help="Layer-skip draft depth whose cost is measured.")] = 8,
+    quantize: Quantize = "none",
 ) -> None:
     """Measure this machine and model: roofline ceilings, step-time grid, drafting costs, latency fit."""
     import shlex
@@ -214,11 +218,13 @@ def profile_cmd(
     check.at_least(draft_layers, 1, "--draft-layers")
     check.output_file(out, "--out", "profile.json")
     check.output_dir(report_dir, "--report-dir")
+    from specplan.engine import load_model
     from specplan.profiler.run import run_profile
 
     profile, path, report = run_profile(model, quick=quick, out=out, report_dir=report_dir,
                                         layer_skip_layers=draft_layers,
-                                        command="specplan " + shlex.join(sys.argv[1:]))
+                                        command="specplan " + shlex.join(sys.argv[1:]),
+                                        loaded=load_model(model, quantize=quantize))
     f = profile.fit
     typer.echo(f"profile: {path}\nreport:  {report}\nlatency model error on held-out cells: {f.heldout_mape:.1f}% "
                f"(pure roofline: {f.roofline_mape:.1f}%)")
@@ -362,6 +368,7 @@ def evaluate_cmd(
     null_control: Annotated[bool, typer.Option(help="Also run SD off a second time: how far a cell reads from itself.")] = True,
     clairvoyant: Annotated[bool, typer.Option(help="Also run a decider that knows each step's accepted lengths: the ceiling of per-request k (ngram only).")] = True,
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
+    quantize: Quantize = "none",
 ) -> None:
     """Every policy against every static k on the same closed batches, offline (greedy, goodput)."""
     import shlex
@@ -382,7 +389,7 @@ def evaluate_cmd(
     from specplan.engine import load_model
     from specplan.bench.evaluate import evaluate, render_evaluation
 
-    loaded = load_model(model)
+    loaded = load_model(model, quantize=quantize)
     prof = load_or_make_profile(loaded, profile)
     frames = [evaluate(loaded, prof, proposer=p, workloads=workload_names, batch_sizes=sizes,
                        policies=policy_names, max_tokens=max_tokens, repeats=repeats,

@@ -197,9 +197,19 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, backend_tokenizer) -> dict[str, torch.Tensor]:
-    """A tied tiny Llama in F32 with a gpt2-style tokenizer, as llama.cpp would write it."""
-    from gguf import GGUFWriter
+def write_tiny_gguf(path: Path, backend_tokenizer, projections: str = "F32",
+                    embedding: str = "F32") -> dict[str, torch.Tensor]:
+    """A tied tiny Llama with a gpt2-style tokenizer, as llama.cpp would write it: the layers'
+    projections and the token embedding in the given GGML types (F32, or e.g. Q4_1 / Q8_0 blocks
+    quantized by gguf-py)."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    def add(name: str, t: np.ndarray, kind: str = "F32") -> None:
+        if kind == "F32":
+            w.add_tensor(name, np.ascontiguousarray(t))
+        else:
+            qtype = GGMLQuantizationType[kind]
+            w.add_tensor(name, quants.quantize(np.ascontiguousarray(t), qtype), raw_dtype=qtype)
     from transformers import AutoModelForCausalLM
 
     cfg = llama_config(backend_tokenizer.get_vocab_size(), tie_word_embeddings=True)
@@ -236,7 +246,7 @@ def write_tiny_gguf(path: Path, backend_tokenizer) -> dict[str, torch.Tensor]:
         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     }  # fmt: skip
-    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
+    add("token_embd.weight", state["model.embed_tokens.weight"].numpy(), embedding)
     w.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():
@@ -245,7 +255,7 @@ def write_tiny_gguf(path: Path, backend_tokenizer) -> dict[str, torch.Tensor]:
                 t = _llama_cpp_permute(t, cfg.num_attention_heads)
             elif gg == "attn_k":
                 t = _llama_cpp_permute(t, cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(t))
+            add(f"blk.{i}.{gg}.weight", t, "F32" if gg.endswith("_norm") else projections)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import ModelConfig, UnsupportedModelError
+from .quant import BLOCK, SCHEMES, QuantWeight
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,6 +42,16 @@ GGUF_CACHE_FORMAT = 1
 # The cache key hashes this much of the file's head and tail plus its size (see _gguf_cache_key).
 _KEY_SAMPLE_BYTES = 1 << 20
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# --quantize: "none" float weights; "gguf" a GGUF's Q8_0 / Q4_0 / Q4_1 tensors as stored; "int8" /
+# "q4" quantise float weights at load (engine/model/quant.py's SCHEMES).
+QUANTIZE_CHOICES = ("none", "gguf", *SCHEMES)
+_GGUF_AS_STORED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_GGUF_FLOAT = ("F32", "F16", "BF16")  # read from the converted float directory, as without --quantize
+_GGUF_PROJECTIONS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}  # fmt: skip
 
 
 class ModelLoadError(Exception):
@@ -74,10 +85,21 @@ def load_model(
     model: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
     cache_dir: Path | None = None,
+    quantize: str | None = None,
 ) -> LoadedModel:
-    """Load `model` (a Hugging Face directory, a .gguf file, or None for the default model)."""
+    """Load `model` (a Hugging Face directory, a .gguf file, or None for the default model).
+
+    ``quantize`` (QUANTIZE_CHOICES): None / "none" float weights; "gguf" a GGUF's Q8_0, Q4_0 and
+    Q4_1 projections and LM head kept in their blocks; "int8" (Q8_0) / "q4" (Q4_1, LM head Q8_0)
+    quantises the float weights at load. Quantised weights come as engine/model/quant.py's
+    QuantWeight under the same names; embeddings and norms stay float."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ModelLoadError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    quantize = quantize or "none"
+    if quantize not in QUANTIZE_CHOICES:
+        raise ModelLoadError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+    if quantize != "none" and dtype != torch.float32:
+        raise ModelLoadError(f"quantized weights run with float32 activations, not {dtype}; drop the dtype or --quantize")
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -85,10 +107,19 @@ def load_model(
             "(nothing is downloaded)"
         )
     if path.is_dir():
-        return _load_hf_dir(path, dtype, name=path.resolve().name)
+        if quantize == "gguf":
+            raise ModelLoadError(f"--quantize gguf keeps a GGUF file's own blocks, and {path} is a Hugging Face "
+                                 f"directory; use --quantize {' or '.join(SCHEMES)}")
+        return quantize_model(_load_hf_dir(path, dtype, name=path.resolve().name), quantize)
     if path.suffix.lower() == ".gguf":
+        if quantize == "gguf":
+            _check_gguf_magic(path)
+            _check_gguf_types(path)  # before the slow float conversion
         hf_dir = _gguf_to_cached_hf_dir(path, cache_dir)
-        return _load_hf_dir(hf_dir, dtype, name=_gguf_display_name(path))
+        loaded = _load_hf_dir(hf_dir, dtype, name=_gguf_display_name(path))
+        if quantize == "gguf":
+            return _with_quant_weights(loaded, _gguf_quant_weights(path, loaded.config))
+        return quantize_model(loaded, quantize)
     raise ModelLoadError(
         f"{path} is neither a directory nor a .gguf file; pass a Hugging Face model directory "
         "(config.json + *.safetensors + tokenizer) or a .gguf file"
@@ -209,6 +240,97 @@ def _as_ids(value: Any) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value]
     return [int(value)]
+
+
+# --- quantised weights ---------------------------------------------------------------------
+
+
+def _with_quant_weights(loaded: LoadedModel, quantized: dict[str, QuantWeight]) -> LoadedModel:
+    """``loaded`` with ``quantized`` in place of its float weights; the config names the formats
+    (ModelConfig.quantization: profiles are measured per format)."""
+    if not quantized:
+        return loaded
+    formats = "+".join(sorted({w.fmt for w in quantized.values()}))
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, quantization=formats),
+                               weights={**loaded.weights, **quantized})
+
+
+def quantize_model(loaded: LoadedModel, scheme: str) -> LoadedModel:
+    """Quantise the projections (and the LM head, tied or not) of a float model at load."""
+    if scheme == "none":
+        return loaded
+    proj_fmt, head_fmt = SCHEMES[scheme]
+    weights = loaded.weights
+    names = [n for n in weights if n.endswith("_proj.weight")]
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # [V, hidden]
+    for name in names:
+        if weights[name].shape[1] % BLOCK:
+            raise ModelLoadError(f"cannot quantize {name}: its {weights[name].shape[1]} input features are not a "
+                                 f"multiple of {BLOCK}; run this model without --quantize")
+    quantized = {name: QuantWeight.quantize(weights[name], proj_fmt) for name in names}
+    quantized["lm_head.weight"] = QuantWeight.quantize(head, head_fmt)  # a tied model's lookups stay float
+    return _with_quant_weights(loaded, quantized)
+
+
+def _gguf_tensor_names(name: str, tied: bool) -> str | None:
+    """The Hugging Face name of a GGUF projection or LM head ("blk.3.attn_q.weight" ->
+    "model.layers.3.self_attn.q_proj.weight"); None for other tensors (norms, biases)."""
+    if name == "output.weight" or (name == "token_embd.weight" and tied):
+        return "lm_head.weight"  # a tied model's token_embd is also its head; the lookup stays float
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    if match and match.group(2) in _GGUF_PROJECTIONS:
+        return f"model.layers.{match.group(1)}.{_GGUF_PROJECTIONS[match.group(2)]}.weight"
+    return None
+
+
+def _check_gguf_types(gguf: Path) -> None:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(gguf)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {_one_line(e)}; the file may be corrupt or truncated") from e
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in _GGUF_AS_STORED and kind not in _GGUF_FLOAT and _gguf_tensor_names(t.name, tied):
+            raise ModelLoadError(
+                f"{gguf.name}: tensor {t.name} is {kind}, which specplan cannot run as stored (it runs "
+                f"{', '.join(_GGUF_AS_STORED)} and {'/'.join(_GGUF_FLOAT)}); use --quantize "
+                f"{' or '.join(SCHEMES)} to requantize the dequantized weights, or none for float32")
+
+
+def _gguf_quant_weights(gguf: Path, config: ModelConfig) -> dict[str, QuantWeight]:
+    """The GGUF's Q8_0 / Q4_0 / Q4_1 projections and LM head, blocks as stored, under Hugging Face
+    names. llama.cpp stores a Llama's q and k rows permuted for its RoPE; the rows are put back in
+    Hugging Face's order (as transformers does with the float tensors)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field else ""
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    out: dict[str, QuantWeight] = {}
+    for t in reader.tensors:
+        hf = _gguf_tensor_names(t.name, tied)
+        fmt = _GGUF_AS_STORED.get(t.tensor_type.name)
+        if hf is None or fmt is None:
+            continue  # float tensors come from the converted directory
+        weight = QuantWeight.from_gguf_blocks(fmt, t.data)  # [N, K] in blocks
+        if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+            heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+            weight = weight.rows(_llama_cpp_row_order(weight.shape[0], heads))
+        out[hf] = weight
+    return out
+
+
+def _llama_cpp_row_order(rows: int, heads: int) -> torch.Tensor:
+    """The row index that undoes llama.cpp's q/k permutation (transformers'
+    _reverse_permute_weights as an index): per head, rows [0, 2, 4, .., 1, 3, ..] of the GGUF
+    become Hugging Face's [0, 1, 2, ..]. Worked example, one head of 4 rows: HF row r is GGUF row
+    [0, 2, 1, 3][r]."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
 # --- GGUF files -----------------------------------------------------------------------------

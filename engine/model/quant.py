@@ -76,7 +76,7 @@ class QuantWeight:
         """raw [N, KB * block bytes] uint8, one GGUF row per output feature (GGUFReader's
         ``tensor.data`` for a quantised 2-D tensor)."""
         nbytes = GGUF_BLOCK_BYTES[fmt]
-        raw = torch.as_tensor(np.ascontiguousarray(raw))
+        raw = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: GGUFReader maps the file read-only
         n = raw.shape[0]
         blocks = raw.view(n, -1, nbytes)  # [N, KB, bytes]
         d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [N, KB]

@@ -22,7 +22,8 @@ from .attention_cpu import supports as cpu_kernel_supports
 from ..batch import TokenBatch
 from ..config import ModelConfig
 from .layer_ops import CpuKernelOps, layer_ops_for
-from .linear import Linear, PackedLinear, make_linear, move_to_huge_pages, packed_available
+from .linear import Linear, PackedLinear, concat_weights, make_linear, move_to_huge_pages, packed_available
+from .quant import QuantWeight
 
 
 @dataclass
@@ -47,25 +48,31 @@ class Model:
         if packed_linears is None:
             packed_linears = packed_available(self.device, dtype)
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        def linear(weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> Linear:
             return make_linear(weight, bias, packed_linears)
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str) -> torch.Tensor | QuantWeight:
             if name not in weights:
                 raise ValueError(f"checkpoint is missing weight {name!r}")
-            return weights[name].to(device=self.device, dtype=dtype)
+            t = weights[name]
+            if isinstance(t, QuantWeight):  # blocks for the CPU kernel; dequantised where it does not run
+                return t if packed_linears else t.dequantize().to(device=self.device, dtype=dtype)
+            return t.to(device=self.device, dtype=dtype)
 
         def maybe(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.final_norm = w("model.norm.weight")  # [hidden]
-        lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
+        # A quantised head is the loader's (a tied model's embedding in blocks; lookups stay float).
+        own_head = "lm_head.weight" in weights and (
+            not c.tie_word_embeddings or isinstance(weights["lm_head.weight"], QuantWeight))
+        lm_head = w("lm_head.weight") if own_head else self.embed
         self.lm_head = linear(lm_head)  # [V, hidden]
         self.layers: list[DecoderLayer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv_w = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_w = concat_weights([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             qkv_b = None
             if c.qkv_bias:
                 qkv_b = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
@@ -74,7 +81,7 @@ class Model:
                 qkv=linear(qkv_w, qkv_b),
                 o=linear(w(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                gate_up=linear(concat_weights([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
                 down=linear(w(p + "mlp.down_proj.weight")),
             ))
         move_to_huge_pages([self.lm_head] + [lin for layer in self.layers

@@ -1,0 +1,139 @@
+"""A quantized model end to end: speculation stays lossless against the quantized target, the
+quantized model stays close to the float one, and GGUF blocks load as stored."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import loaded_from_hf, tiny_hf_model
+from specplan.engine import LLM, ModelLoadError, SamplingParams, load_model
+from specplan.engine.model.linear import packed_available
+from specplan.engine.model.loader import quantize_model
+from specplan.engine.model.quant import QuantLinear, QuantWeight
+from specplan.engine.model.transformer import Model
+from test_loader import backend_tokenizer, write_tiny_gguf  # noqa: F401 -- a fixture
+from test_spec_decode import repetitive_prompts
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler on PATH")
+    assert packed_available(torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # hidden 64, intermediate 96: multiples of the 32-weight block.
+    return tiny_hf_model("llama", dtype=torch.float32, num_hidden_layers=3)
+
+
+def _llm(loaded, **kwargs) -> LLM:
+    return LLM(loaded=loaded, dtype=torch.float32, kv_cache_bytes=8 * 1024**2, block_size=4, **kwargs)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "q4"])
+def test_quantized_model_runs_the_quantized_kernels(model, scheme):
+    loaded = quantize_model(loaded_from_hf(model), scheme)
+    assert loaded.config.quantization == {"int8": "q8_0", "q4": "q4_1+q8_0"}[scheme]
+    m = Model(loaded.config, loaded.weights, "cpu", torch.float32)
+    linears = [m.lm_head] + [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(isinstance(lin, QuantLinear) for lin in linears)
+    assert m.kernel_stack is not None  # the C++ layer loop takes quantized weights too
+    assert m.lm_head.fmt == "q8_0" and m.layers[0].qkv.fmt == ("q8_0" if scheme == "int8" else "q4_1")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "q4"])
+@pytest.mark.parametrize("proposer,k", [("ngram", 4), ("layer-skip", 3)])
+def test_greedy_speculation_is_lossless_on_the_quantized_target(model, scheme, proposer, k):
+    loaded = quantize_model(loaded_from_hf(model), scheme)
+    prompts = repetitive_prompts(model.config.vocab_size)
+    expected = [o.token_ids for o in _llm(loaded).generate(prompts, GREEDY)]
+    llm = _llm(loaded, speculative_config={"proposer": proposer, "k": k, "draft_layers": 2})
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine.stats.num_accepted_tokens > 0, "nothing accepted: the verify path was never exercised"
+
+
+@pytest.mark.parametrize("scheme,min_cosine,min_agreement", [("int8", 0.998, 0.9), ("q4", 0.9, 0.5)])
+def test_quantized_logits_stay_close_to_float(model, scheme, min_cosine, min_agreement):
+    """Teacher-forced over one sequence: the quantized model's logits against the float model's
+    (mean cosine over positions), and how often their argmax (the greedy token) agrees. Random
+    Gaussian weights are the hard case for 4 bits (no outliers to spend the range on, a 64-wide
+    model with little averaging); the real model's perplexity is measured by bench quant."""
+    ids = (repetitive_prompts(model.config.vocab_size, n=1, seed=7)[0] * 3)[:40]
+    ref = _prefill_logits(loaded_from_hf(model), ids)  # [T, V]
+    got = _prefill_logits(quantize_model(loaded_from_hf(model), scheme), ids)  # [T, V]
+    cos = F.cosine_similarity(got, ref, dim=-1)  # [T]
+    agreement = (got.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert cos.mean() > min_cosine and agreement >= min_agreement, (cos.mean(), agreement)
+
+
+def _prefill_logits(loaded, ids: list[int]) -> torch.Tensor:
+    """Logits [T, V] at every position of one sequence, prefilled in one step (block size 4)."""
+    from specplan.engine.batch import TokenBatch
+    from specplan.engine.model_runner import allocate_kv_cache, layer_caches
+
+    m = Model(loaded.config, loaded.weights, "cpu", torch.float32)
+    t = len(ids)
+    blocks = -(-t // 4)
+    batch = TokenBatch(input_ids=torch.tensor(ids), positions=torch.arange(t),
+                       query_start_loc=torch.tensor([0, t], dtype=torch.int32),
+                       seq_lens=torch.tensor([t], dtype=torch.int32), slot_mapping=torch.arange(t),
+                       block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+                       logits_indices=torch.arange(t), query_lens_host=[t], seq_lens_host=[t])
+    cache = allocate_kv_cache(loaded.config, blocks, 4, torch.float32, torch.device("cpu"))
+    return m.compute_logits(m.forward(batch, layer_caches(cache), 4))
+
+
+# --- GGUF blocks as stored ------------------------------------------------------------------
+
+
+def test_gguf_blocks_load_as_stored_and_match_the_float_conversion(tmp_path, backend_tokenizer):
+    path = tmp_path / "src" / "Tiny.Q4_1.gguf"
+    path.parent.mkdir()
+    write_tiny_gguf(path, backend_tokenizer, projections="Q4_1", embedding="Q8_0")
+    cache = tmp_path / "cache"
+    floats = load_model(path, cache_dir=cache)
+    quant = load_model(path, cache_dir=cache, quantize="gguf")
+    assert quant.config.quantization == "q4_1+q8_0" and floats.config.quantization is None
+    blocks = {name: w for name, w in quant.weights.items() if isinstance(w, QuantWeight)}
+    assert len(blocks) == 2 * 7 + 1  # every projection of both layers, and the tied head
+    for name, w in blocks.items():
+        # transformers dequantizes the same blocks (and un-permutes the q/k rows): equal to the bit.
+        ref = floats.weights.get(name, floats.weights["model.embed_tokens.weight"])
+        assert torch.equal(w.dequantize(), ref), name
+    assert blocks["lm_head.weight"].fmt == "q8_0" and blocks["model.layers.1.mlp.down_proj.weight"].fmt == "q4_1"
+    assert not isinstance(quant.weights["model.embed_tokens.weight"], QuantWeight)  # lookups stay float
+    # The engine on the blocks as stored: greedy tokens, with and without speculation, agree.
+    prompt = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    plain = _llm(quant).generate(prompt, GREEDY)[0].token_ids
+    spec = _llm(quant, speculative_config={"proposer": "ngram", "k": 3}).generate(prompt, GREEDY)[0].token_ids
+    assert len(plain) == 32 and spec == plain
+
+
+def test_unsupported_gguf_type_names_it_and_the_supported_ones(tmp_path, backend_tokenizer):
+    path = tmp_path / "Tiny.Q5_0.gguf"
+    write_tiny_gguf(path, backend_tokenizer, projections="Q5_0")
+    with pytest.raises(ModelLoadError) as e:
+        load_model(path, cache_dir=tmp_path / "cache", quantize="gguf")
+    message = str(e.value)
+    assert "\n" not in message and "is Q5_0" in message and "Q8_0, Q4_0, Q4_1" in message
+    assert not (tmp_path / "cache").exists()  # refused before the float conversion
+
+
+def test_quantize_option_errors(tmp_path, backend_tokenizer):
+    path = tmp_path / "Tiny.F32.gguf"
+    write_tiny_gguf(path, backend_tokenizer)
+    with pytest.raises(ModelLoadError, match="unknown quantization 'q3'"):
+        load_model(path, quantize="q3")
+    with pytest.raises(ModelLoadError, match="float32 activations"):
+        load_model(path, dtype=torch.float64, quantize="int8")
+    with pytest.raises(ModelLoadError, match="Hugging Face directory"):
+        load_model(tmp_path, quantize="gguf")
