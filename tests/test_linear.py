@@ -125,12 +125,17 @@ w, x = torch.randn(97, 40), torch.randn(11, 40)
 assert torch.allclose(PackedLinear(w)(x), F.linear(x, w), atol=1e-4)
 g = torch.randn(3, 2 * 37) * 8
 assert torch.allclose(CpuKernelOps.silu_mul(g), TorchLayerOps.silu_mul(g), atol=1e-5)
+from specplan.engine.model.quant import QuantLinear, QuantWeight, reference_linear
+for fmt in ("q8_0", "q4_0", "q4_1"):
+    qw, xq = QuantWeight.quantize(torch.randn(37, 64), fmt), torch.randn(11, 64)
+    want = reference_linear(xq, qw)
+    assert torch.allclose(QuantLinear(qw)(xq), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5), fmt
 print("ok")
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["generic"])
+@pytest.mark.parametrize("isa", ["generic", "avx2"])  # avx2: the fallback of an AVX-512 CPU (native here if not)
 def test_narrower_isa_builds_agree(isa, tmp_path):
     """The kernels built for a CPU without AVX-512/AVX2 (forced with SPECPLAN_CPU_ISA) compute the
     same products; built in a subprocess, since one process can load only one build of the ops."""

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import loaded_from_hf, tiny_hf_model
+from specplan.bench.quant_bench import prefill_logits
 from specplan.engine import LLM, ModelLoadError, SamplingParams, load_model
 from specplan.engine.model.linear import packed_available
 from specplan.engine.model.loader import quantize_model
@@ -76,20 +77,7 @@ def test_quantized_logits_stay_close_to_float(model, scheme, min_cosine, min_agr
 
 
 def _prefill_logits(loaded, ids: list[int]) -> torch.Tensor:
-    """Logits [T, V] at every position of one sequence, prefilled in one step (block size 4)."""
-    from specplan.engine.batch import TokenBatch
-    from specplan.engine.model_runner import allocate_kv_cache, layer_caches
-
-    m = Model(loaded.config, loaded.weights, "cpu", torch.float32)
-    t = len(ids)
-    blocks = -(-t // 4)
-    batch = TokenBatch(input_ids=torch.tensor(ids), positions=torch.arange(t),
-                       query_start_loc=torch.tensor([0, t], dtype=torch.int32),
-                       seq_lens=torch.tensor([t], dtype=torch.int32), slot_mapping=torch.arange(t),
-                       block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-                       logits_indices=torch.arange(t), query_lens_host=[t], seq_lens_host=[t])
-    cache = allocate_kv_cache(loaded.config, blocks, 4, torch.float32, torch.device("cpu"))
-    return m.compute_logits(m.forward(batch, layer_caches(cache), 4))
+    return prefill_logits(Model(loaded.config, loaded.weights, "cpu", torch.float32), ids)  # [T, V]
 
 
 # --- GGUF blocks as stored ------------------------------------------------------------------

@@ -55,6 +55,37 @@ def bench_engine(
     typer.echo(f"wrote {path}")
 
 
+@bench_app.command("quant")
+@reports_errors
+def bench_quant(
+    out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
+    model: Annotated[Optional[str], typer.Option(help="A .gguf with Q4_1 blocks, or an HF directory (default: embedded SmolLM2).")] = None,
+    repeats: Annotated[int, typer.Option(help="Rounds, every engine once per round (medians).")] = 3,
+    new_tokens: Annotated[int, typer.Option(help="Greedy tokens per stream.")] = 128,
+    batch_size: Annotated[int, typer.Option(help="Concurrent streams of the batched run.")] = 32,
+    ppl_docs: Annotated[int, typer.Option(help="XSum articles for perplexity.")] = 8,
+    ppl_tokens: Annotated[int, typer.Option(help="Tokens per article for perplexity.")] = 512,
+    llama_cpp: Annotated[bool, typer.Option(help="Include llama.cpp (needs the bench extra).")] = True,
+) -> None:
+    """Quantized weights: fp32 / Q8_0 / Q4_1 tok/s, perplexity and greedy agreement, vs llama.cpp."""
+    for value, option in ((repeats, "--repeats"), (new_tokens, "--new-tokens"), (batch_size, "--batch-size"),
+                          (ppl_docs, "--ppl-docs"), (ppl_tokens, "--ppl-tokens")):
+        check.at_least(value, 1, option)
+    check.model_path(model)
+    if llama_cpp:
+        check.installed("llama_cpp", "llama-cpp-python", LLAMA_CPP_FIX + " or pass --no-llama-cpp")
+    from specplan.bench.workloads import data_files
+
+    data_files()
+    check.output_dir(out, "--out")
+    from specplan.bench.quant_bench import run_quant_bench
+
+    path = run_quant_bench(out, model, repeats=repeats, new_tokens=new_tokens, batch_size=batch_size,
+                           ppl_docs=ppl_docs, ppl_tokens=ppl_tokens, llama_cpp=llama_cpp,
+                           command="specplan " + shlex.join(sys.argv[1:]))
+    typer.echo(f"wrote {path}")
+
+
 @bench_app.command("spec")
 @reports_errors
 def bench_spec(
