@@ -125,7 +125,8 @@ w, x = torch.randn(97, 40), torch.randn(11, 40)
 assert torch.allclose(PackedLinear(w)(x), F.linear(x, w), atol=1e-4)
 g = torch.randn(3, 2 * 37) * 8
 assert torch.allclose(CpuKernelOps.silu_mul(g), TorchLayerOps.silu_mul(g), atol=1e-5)
-from specplan.engine.model.quant import QuantLinear, QuantWeight, reference_linear
+from specplan.engine.model.linear import QuantLinear
+from specplan.engine.model.quant import QuantWeight, reference_linear
 for fmt in ("q8_0", "q4_0", "q4_1"):
     qw, xq = QuantWeight.quantize(torch.randn(37, 64), fmt), torch.randn(11, 64)
     want = reference_linear(xq, qw)

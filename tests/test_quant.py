@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from specplan.engine.model.linear import make_linear, packed_available
-from specplan.engine.model.quant import (BITS_PER_WEIGHT, FORMATS, QuantLinear, QuantWeight, cat_rows,
+from specplan.engine.model.linear import QuantLinear
+from specplan.engine.model.quant import (BITS_PER_WEIGHT, FORMATS, QuantWeight, cat_rows,
                                          reference_linear)
 
 GGML_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}

@@ -15,7 +15,8 @@ from specplan.bench.quant_bench import prefill_logits
 from specplan.engine import LLM, ModelLoadError, SamplingParams, load_model
 from specplan.engine.model.linear import packed_available
 from specplan.engine.model.loader import quantize_model
-from specplan.engine.model.quant import QuantLinear, QuantWeight
+from specplan.engine.model.linear import QuantLinear
+from specplan.engine.model.quant import QuantWeight
 from specplan.engine.model.transformer import Model
 from test_loader import backend_tokenizer, write_tiny_gguf  # noqa: F401 -- a fixture
 from test_spec_decode import repetitive_prompts

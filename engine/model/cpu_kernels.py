@@ -2,7 +2,7 @@
 
 Ops: ``torch.ops.specplan_attn.paged_attention_cpu`` (engine/model/attention_cpu.py),
 ``torch.ops.specplan_linear.packed_linear`` (engine/model/linear.py),
-``torch.ops.specplan_linear.quant_linear`` (engine/model/quant.py), the fused per-layer ops
+``torch.ops.specplan_linear.quant_linear`` (engine/model/linear.py's QuantLinear), the fused per-layer ops
 ``torch.ops.specplan_ops.*`` (engine/model/layer_ops.py) and ``specplan_ops.decoder_layers``, which
 chains them over a model's decoder layers (engine/model/transformer.py). The extension compiles once
 (about 20-40 s on 2 cores) and is cached by torch.utils.cpp_extension under

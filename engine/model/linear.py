@@ -4,21 +4,18 @@ Decode and verify steps multiply a few rows (M = tokens in the step, 1..~64) by 
 the model, so they are bound by streaming the weights from memory once. On CPU in float32 the
 engine's own kernel (engine/model/csrc/packed_linear.cpp) does that at close to full bandwidth and is
 faster than MKL's SGEMM at every M measured (``specplan bench engine``); elsewhere (CUDA,
-other dtypes, no compiler) plain ``F.linear``.
+other dtypes, no compiler) plain ``F.linear``. Weights in GGUF's Q8_0 / Q4_0 / Q4_1 blocks
+(engine/model/quant.py) run through engine/model/csrc/quant_linear.cpp (``QuantLinear``).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
 from .huge_pages import huge_page_zeros
-
-if TYPE_CHECKING:
-    from .quant import QuantWeight
+from .quant import QuantWeight, cat_rows
 
 PANEL = 32  # output columns per packed panel (NR in packed_linear.cpp)
 
@@ -63,6 +60,20 @@ class PackedLinear(Linear):
         return y.view(*lead, self.out_features)
 
 
+class QuantLinear(PackedLinear):
+    """y = x W^T (+ b) with W in Q8_0 / Q4_0 / Q4_1 blocks, through quant_linear.cpp. A
+    PackedLinear with another ``packed`` (uint8 [P, KB, bytes per block]): the C++ layer loop
+    (decoder_layers.cpp) and ``move_to_huge_pages`` take either."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None):
+        self.fmt = weight.fmt
+        self.packed = weight.pack()  # [P, KB, bytes per block] (engine/model/quant.py)
+        self.weight = None
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_features = weight.shape[0]
+        self._op = torch.ops.specplan_linear.quant_linear
+
+
 def move_to_huge_pages(linears: list[Linear]) -> None:
     """Put the packed weights of ``linears`` side by side in one buffer backed by 2 MB pages
     (engine/model/huge_pages.py), each weight starting on a cache line: fewer TLB misses while
@@ -86,20 +97,16 @@ def packed_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and cpu_kernels.load()
 
 
-def make_linear(weight: "torch.Tensor | QuantWeight", bias: torch.Tensor | None = None, packed: bool = False) -> Linear:
+def make_linear(weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None, packed: bool = False) -> Linear:
     """The engine's kernel for ``weight`` when ``packed`` (fp32: PackedLinear; Q8_0 / Q4_0 / Q4_1
-    blocks: engine/model/quant.py's QuantLinear), else F.linear (a quantised weight dequantised)."""
-    from .quant import QuantLinear, QuantWeight  # quant.py builds on this module
-
+    blocks: QuantLinear), else F.linear (a quantised weight dequantised)."""
     if isinstance(weight, QuantWeight):
         return QuantLinear(weight, bias) if packed else Linear(weight.dequantize(), bias)
     return PackedLinear(weight, bias) if packed else Linear(weight, bias)
 
 
-def concat_weights(weights: "list[torch.Tensor | QuantWeight]") -> "torch.Tensor | QuantWeight":
+def concat_weights(weights: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
     """Weights stacked along their output features (the fused QKV and gate + up projections)."""
-    from .quant import QuantWeight, cat_rows
-
     if any(isinstance(w, QuantWeight) for w in weights):
         return cat_rows([w if isinstance(w, QuantWeight) else QuantWeight.quantize(w, "q8_0") for w in weights])
     return torch.cat(weights)

@@ -9,8 +9,8 @@ fp16 scale (and, for Q4_1, an fp16 min):
 
 ``QuantWeight`` holds them unpacked (one integer per weight, in memory only while loading): read
 from a GGUF file as stored (``from_gguf_blocks``) or quantised from a float weight at load
-(``quantize``, llama.cpp's reference rounding). ``QuantLinear`` repacks them once into the C++
-kernel's layout (engine/model/csrc/quant_linear.cpp) and runs the product there;
+(``quantize``, llama.cpp's reference rounding). ``pack`` lays them out for the C++ kernel
+(engine/model/csrc/quant_linear.cpp), which engine/model/linear.py's QuantLinear calls;
 ``reference_linear`` is the same product in torch, op for op in float64, for the tests: x is
 quantised per block of 32 to int8 as the kernel does (``quantize_rows``), each block's dot product
 is an exact integer sum, and only the scales are float.
@@ -22,9 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .linear import PackedLinear
 
 BLOCK = 32  # weights per block along K
 PANEL_COLUMNS = 8  # output columns per packed panel (NC in quant_linear.cpp)
@@ -186,22 +184,3 @@ def reference_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | 
             y = (d * isum * dx[:, None] + weight.m.double()[None] * sx[:, None]).sum(-1)
     y = y.float()
     return y if bias is None else y + bias
-
-
-class QuantLinear(PackedLinear):
-    """y = x W^T (+ b) with W in Q8_0 / Q4_0 / Q4_1 blocks, through quant_linear.cpp. A
-    PackedLinear with another ``packed`` (uint8 [P, KB, bytes per block]): the C++ layer loop
-    (decoder_layers.cpp) and ``move_to_huge_pages`` take either."""
-
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None):
-        self.fmt = weight.fmt
-        self.packed = weight.pack()  # [P, KB, bytes per block]
-        self.weight = None
-        self.bias = None if bias is None else bias.float().contiguous()
-        self.out_features = weight.shape[0]
-        self._op = torch.ops.specplan_linear.quant_linear
-
-
-def reference_matmul_fp32(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """x [M, K] @ dequantised W^T in float64: what the product would be with unquantised x."""
-    return F.linear(x.double(), weight.dequantize().double()).float()

@@ -28,7 +28,7 @@ import torch
 from rich.progress import Progress
 
 from specplan.engine import LLM, LoadedModel, SamplingParams, load_model
-from specplan.engine.model.quant import QuantLinear
+from specplan.engine.model.linear import QuantLinear
 from specplan.engine.model.transformer import Model
 from specplan.profiler.machine import describe, machine_info
 
@@ -192,6 +192,34 @@ def _in_features(lin) -> int:
     return lin.packed.shape[1] * 32 if isinstance(lin, QuantLinear) else lin.packed.shape[1]
 
 
+KERNEL_SHAPES = {"gate_up 576->3072": (3072, 576), "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576)}
+
+
+def kernel_times(rows: tuple[int, ...] = (1, 8, 32), repeats: int = 20, progress: bool = True) -> list[dict]:
+    """One projection of the default model's shapes, fp32 packed vs Q8_0 / Q4_0 / Q4_1: the best
+    of ``repeats`` calls each, formats interleaved call by call (random weights: speed only)."""
+    from specplan.engine.model.linear import PackedLinear
+    from specplan.engine.model.quant import FORMATS, QuantWeight
+
+    out = []
+    with Progress(disable=not progress) as bar:
+        task = bar.add_task("kernels", total=len(KERNEL_SHAPES) * len(rows))
+        for shape_name, (n, k) in KERNEL_SHAPES.items():
+            w = torch.randn(n, k) * 0.05  # [N, K]
+            linears = {"fp32": PackedLinear(w), **{f: QuantLinear(QuantWeight.quantize(w, f)) for f in FORMATS}}
+            for m in rows:
+                x = torch.randn(m, k)  # [M, K]
+                best = {name: float("inf") for name in linears}
+                for _ in range(repeats):
+                    for name, lin in linears.items():
+                        t0 = time.perf_counter()
+                        lin(x)
+                        best[name] = min(best[name], time.perf_counter() - t0)
+                out.append({"shape": shape_name, "rows": m, **{f"{name}_us": 1e6 * t for name, t in best.items()}})
+                bar.advance(task)
+    return out
+
+
 def run_quant_bench(out: Path, model: str | None = None, repeats: int = 3, new_tokens: int = 128,
                     batch_size: int = 32, ppl_docs: int = 8, ppl_tokens: int = 512, llama_cpp: bool = True,
                     command: str = "specplan bench quant", progress: bool = True) -> Path:
@@ -199,9 +227,8 @@ def run_quant_bench(out: Path, model: str | None = None, repeats: int = 3, new_t
     tokenizer = variants["specplan fp32"].tokenizer
     ggufs = llama_cpp_ggufs(None if model is None else Path(model)) if llama_cpp else {}
     llms = {name: LLM(loaded=loaded, max_num_seqs=max(batch_size, 1)) for name, loaded in variants.items()}
-    prompt = llms["specplan fp32"].apply_chat_template(
+    prompt_ids = llms["specplan fp32"].apply_chat_template(
         [{"role": "user", "content": "Write a short story about a robot who learns to paint."}])
-    prompt_ids = tokenizer.encode(prompt)
 
     single = {name: _specplan_runner(llm, [prompt_ids], new_tokens) for name, llm in llms.items()}
     cpps = {}
@@ -221,13 +248,14 @@ def run_quant_bench(out: Path, model: str | None = None, repeats: int = 3, new_t
 
     qual = quality(variants, ggufs, heldout_texts(tokenizer, ppl_docs, ppl_tokens), progress)
     roof = roofline_line(variants["specplan Q4_1"], repeats=max(20, repeats))
+    kernels = kernel_times(progress=progress)
     info = machine_info(libraries=("llama_cpp",))
     result = {
         "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": info,
         "new_tokens": new_tokens, "batch_size": batch_size, "repeats": repeats,
         "single_stream_tok_s": {k: {"median": statistics.median(v), "all": v} for k, v in single_rates.items()},
         "batched_tok_s": {k: {"median": statistics.median(v), "all": v} for k, v in batched_rates.items()},
-        "quality": qual, "roofline_b1": roof,
+        "quality": qual, "roofline_b1": roof, "kernels": kernels,
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant-bench.json").write_text(json.dumps(result, indent=2))
@@ -278,8 +306,12 @@ def render_report(r: dict, png: Path) -> str:
         f"{roof['step_over_floor_4.5']:.2f}x the floor; at the bytes it packs "
         f"({roof['packed_bytes'] / 1e6:.0f} MB) the floor is {roof['floor_ms_packed']:.2f} ms.", "",
         f"Perplexity over {next(iter(r['quality'].values()))['tokens']} tokens of XSum articles, "
-        "teacher-forced, the same token ids for every engine.",
+        "teacher-forced, the same token ids for every engine.", "",
+        f"One projection, best of 20 calls, {r['machine'].get('torch_threads')} threads (µs; formats interleaved):", "",
+        "| shape | rows | fp32 | Q8_0 | Q4_0 | Q4_1 |", "|---|---:|---:|---:|---:|---:|",
     ]
+    lines += [f"| {k['shape']} | {k['rows']} | {k['fp32_us']:.0f} | {k['q8_0_us']:.0f} | {k['q4_0_us']:.0f} | "
+              f"{k['q4_1_us']:.0f} |" for k in r["kernels"]]
     return "\n".join(lines) + "\n"
 
 
