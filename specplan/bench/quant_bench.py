@@ -198,9 +198,12 @@ KERNEL_SHAPES = {"gate_up 576->3072": (3072, 576), "down 1536->576": (576, 1536)
 def kernel_times(rows: tuple[int, ...] = (1, 8, 32), repeats: int = 20, progress: bool = True) -> list[dict]:
     """One projection of the default model's shapes, fp32 packed vs Q8_0 / Q4_0 / Q4_1: the best
     of ``repeats`` calls each, formats interleaved call by call (random weights: speed only)."""
+    from specplan.engine.model import cpu_kernels
     from specplan.engine.model.linear import PackedLinear
     from specplan.engine.model.quant import FORMATS, QuantWeight
 
+    if not cpu_kernels.load():
+        raise RuntimeError("the CPU kernels did not build here: nothing to time")
     out = []
     with Progress(disable=not progress) as bar:
         task = bar.add_task("kernels", total=len(KERNEL_SHAPES) * len(rows))
