@@ -74,6 +74,21 @@ class StepTimingLearner:
         self.steps += 1
         self._refit()
 
+    def state(self) -> dict:
+        return {"xtx": [row[:] for row in self._xtx], "xty": self._xty[:], "steps": self.steps}
+
+    def load_state(self, state: dict, max_steps: float) -> None:
+        """A saved fit, weighed as at most ``max_steps`` steps (xtx[0][0] is the discounted step count)."""
+        xtx = [[float(v) for v in row] for row in state["xtx"]]
+        xty = [float(v) for v in state["xty"]]
+        if len(xtx) != 3 or any(len(row) != 3 for row in xtx) or len(xty) != 3:
+            raise ValueError("timing state needs a 3x3 xtx and 3 xty")
+        scale = min(1.0, max_steps / xtx[0][0]) if xtx[0][0] > 0 else 0.0
+        self._xtx = [[v * scale for v in row] for row in xtx]
+        self._xty = [v * scale for v in xty]
+        self.steps = int(state.get("steps", 0))
+        self._refit()
+
     def _refit(self) -> None:
         # Ridge toward the prior, scaled per feature so the prior weighs like `prior_weight` steps
         # of typical size (a draft count of 1 and a depth of 1 when nothing larger was seen yet).
