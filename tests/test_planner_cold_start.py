@@ -14,7 +14,8 @@ from specplan.engine.decider import RequestRecord, RequestView, StepRecord, Step
 from specplan.planner import Planner, PolicyState, RequestState, StepPricing
 from specplan.planner.acceptance import AcceptanceConfig, AcceptanceEstimate, PooledAcceptance, RequestAcceptance, default_prior
 from specplan.planner.drift import DraftSlope, DraftSlopeConfig
-from specplan.planner.goodput import step_goodput
+from specplan.planner.goodput import DraftCost, step_goodput
+from specplan.planner.timing import StepTimingLearner, TimingConfig
 from specplan.policies import GoodputPolicy, make_policy
 from specplan.policies.goodput import allocate
 from specplan.profiler.latency_model import StepShape
@@ -137,6 +138,19 @@ def test_a_lasting_change_of_level_passes_the_filter():
     for steps in (10, 30, 60):
         assert level_after(DraftSlopeConfig(), steps) == pytest.approx(level_after(raw, steps), rel=0.05)
     assert level_after(DraftSlopeConfig(), 60) > 1.6  # moving to 2 at the fit's memory (~50 steps)
+
+
+def overhead_with_pauses(config: TimingConfig) -> float:
+    """An engine whose steps spend 1 ms outside forward + verify, plus a 50 ms pause every 7th."""
+    learner = StepTimingLearner(DraftCost(), config, fit_per_pass=False)
+    for step in range(200):
+        learner.observe(0.001 + (0.05 if step % 7 == 3 else 0.0), 4, 4)
+    return learner.overhead_s
+
+
+def test_a_pause_now_and_then_does_not_swing_the_overhead():
+    assert overhead_with_pauses(TimingConfig()) == pytest.approx(0.001, abs=3e-4)
+    assert overhead_with_pauses(TimingConfig(outlier_width=1e9)) > 0.005  # unfiltered: 7x what it is
 
 
 # ------------------------------------------------------------------ mixed batches

@@ -70,9 +70,10 @@ def _request_index(request_id: str) -> int:
     return int(request_id.rsplit("-", 1)[1])
 
 
-def _engine(loaded: LoadedModel, proposer: str, max_batch: int, draft_layers: int) -> LLMEngine:
+def _engine(loaded: LoadedModel, proposer: str, max_batch: int, draft_layers: int,
+            kv_cache_mib: int = 1536) -> LLMEngine:
     config = EngineConfig(
-        cache=CacheConfig(block_size=16, kv_cache_bytes=1536 * 1024**2),
+        cache=CacheConfig(block_size=16, kv_cache_bytes=kv_cache_mib * 1024**2),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=1024, max_model_len=2048),
         spec=SpecConfig(proposer=proposer, k=0, max_k=8, draft_layers=draft_layers))
     return LLMEngine(config, loaded)
