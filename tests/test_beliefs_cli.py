@@ -24,7 +24,10 @@ def embedded(tmp_path_factory):
     from specplan.profiler.profile import fingerprint
     from specplan.profiler.run import default_beliefs_path
 
+    from specplan.engine.model.cpu_kernels import load as load_kernels
+
     model_dir = load_model(None).path  # the GGUF converted (once) into the usual cache
+    load_kernels()  # built (once) in the usual cache too; this process keeps them loaded
     cache = tmp_path_factory.mktemp("cache")
     old = os.environ.get("SPECPLAN_CACHE")
     os.environ["SPECPLAN_CACHE"] = str(cache)
