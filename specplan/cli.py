@@ -409,6 +409,9 @@ def evaluate_cmd(
     loaded = load_model(model)
     prof = load_or_make_profile(loaded, profile)
     store = belief_store(loaded, prof) if beliefs else None  # read only: the evaluation saves nothing
+    if store is not None and store.document() is not None:
+        typer.secho(f"[every planner starts from the beliefs in {store.path}; --no-beliefs for cold ones]",
+                    err=True, fg=typer.colors.BRIGHT_BLACK)
     frames = [evaluate(loaded, prof, proposer=p, workloads=workload_names, batch_sizes=sizes,
                        policies=policy_names, max_tokens=max_tokens, repeats=repeats,
                        min_requests=min_requests, null_control=null_control, clairvoyant=clairvoyant,
