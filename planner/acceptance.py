@@ -175,7 +175,12 @@ def default_prior(proposer: str) -> ProposerPrior:
 class AcceptanceConfig:
     max_k: int = 8  # positions tracked (the planner never asks for more)
     initial_strength: float = 2.0  # pseudo-outcomes behind the proposer prior in a fresh pool
-    request_prior_strength: float = 6.0  # pseudo-outcomes the pool lends each request's posterior
+    request_prior_strength: float = 6.0  # pseudo-outcomes a warm pool lends each request's posterior
+    # ... and a pool that has seen nothing (its belief is the built-in prior): a prior nobody has
+    # checked on this traffic is a wide distribution, so a request's first few drafts move its
+    # estimate quickly. One more per request-step the pool has observed, up to the above
+    # (``RequestAcceptance.prior_strength``).
+    cold_prior_strength: float = 2.0
     request_discount: float = 0.95  # per observed step: a request's own evidence fades over ~20 steps
     pool_discount: float = 0.998  # per observed request-step: the pool remembers ~500 of them
 
@@ -186,7 +191,7 @@ class AcceptanceConfig:
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
-        if self.initial_strength <= 0 or self.request_prior_strength <= 0:
+        if self.initial_strength <= 0 or self.request_prior_strength <= 0 or self.cold_prior_strength <= 0:
             raise ValueError("prior strengths must be > 0")
 
 
@@ -255,6 +260,30 @@ class OutcomeCounts:
         self._rejected *= s
         self._at_least = [x * s for x in self._at_least]
         self._stopped = [x * s for x in self._stopped]
+        self._scale = 1.0
+
+    def state(self) -> dict:
+        """The discounted counts as plain numbers (the belief store saves them)."""
+        s = self._scale
+        return {"first_accepted": self._first_accepted * s, "first_rejected": self._first_rejected * s,
+                "accepted": self._accepted * s, "rejected": self._rejected * s,
+                "at_least": [x * s for x in self._at_least], "stopped": [x * s for x in self._stopped]}
+
+    def load_state(self, state: Mapping, weight: float = 1.0) -> None:
+        """Counts from ``state`` (``OutcomeCounts.state``), each times ``weight``. Saved with another
+        max_k: lengths proven beyond this one's max_k fold into its last bucket ("at least max_k").
+
+        Worked example, saved with max_k = 3 and loaded with max_k = 2: at_least [a0, a1, a2, a3]
+        becomes [a0, a1, a2 + a3], stopped [s0, s1, s2] becomes [s0, s1]."""
+        at_least = [float(x) * weight for x in state["at_least"]]
+        stopped = [float(x) * weight for x in state["stopped"]]
+        n = self.max_k
+        self._at_least = at_least[:n] + [sum(at_least[n:])] if len(at_least) > n else at_least + [0.0] * (n + 1 - len(at_least))
+        self._stopped = (stopped + [0.0] * n)[:n]
+        self._first_accepted = float(state["first_accepted"]) * weight
+        self._first_rejected = float(state["first_rejected"]) * weight
+        self._accepted = float(state["accepted"]) * weight
+        self._rejected = float(state["rejected"]) * weight
         self._scale = 1.0
 
     def alphas(self, strength: float, prior_alpha: float, prior_alpha_first: float) -> tuple[float, float]:
@@ -379,6 +408,32 @@ class PooledAcceptance:
             self._publish(new)
             self.version += 1
 
+    def state(self) -> dict:
+        """What this pool learned, as plain numbers (planner/beliefs.py saves it)."""
+        return {"counts": self.counts.state(), "alpha_sum": self._alpha_sum,
+                "alpha_first_sum": self._alpha_first_sum, "alpha_weight": self._alpha_weight}
+
+    def load_state(self, state: Mapping, max_evidence: float) -> float:
+        """Take over a saved pool's learning, weighed as at most ``max_evidence`` request-steps so
+        that beliefs from an earlier run still give way to this one's traffic within a few dozen
+        steps; publishes the result. Returns the evidence it now rests on.
+
+        Worked example: a pool saved after 400 request-steps at alpha_first 0.8, loaded with
+        max_evidence 24 and the n-gram prior 0.5 at strength 2: every count is scaled by 24/400,
+        so alpha_first = (2 * 0.5 + 24 * 0.8) / 26 = 0.78, and 24 request-steps at 0.3 after it
+        bring it to (1 + 19.2 + 7.2) / 50 ~ 0.55."""
+        weight = float(state["alpha_weight"])
+        scale = min(1.0, max_evidence / weight) if weight > 0 else 0.0
+        self.counts.load_state(state["counts"], scale)
+        self._alpha_sum = float(state["alpha_sum"]) * scale
+        self._alpha_first_sum = float(state["alpha_first_sum"]) * scale
+        self._alpha_weight = weight * scale
+        lengths = _posterior(self._initial, self.config.initial_strength, self.counts)
+        self._publish(AcceptanceEstimate(self.alpha, lengths.p_len_ge, self.alpha_first))
+        self.version += 1
+        self._dirty = False
+        return self._alpha_weight
+
     def _publish(self, estimate: AcceptanceEstimate) -> None:
         self._estimate = estimate
         self.belief = _belief(estimate)  # what request posteriors use as their prior
@@ -408,10 +463,22 @@ class RequestAcceptance:
         self._cached = None
         belief = pool.belief  # this request's posterior acceptances: the cheap part of ``estimate``
         pool.observe(k, num_proposed, num_accepted, natural_k,
-                     self.counts.alphas(pool.config.request_prior_strength, belief.alpha, belief.alpha_first))
+                     self.counts.alphas(self.prior_strength, belief.alpha, belief.alpha_first))
+
+    @property
+    def prior_strength(self) -> float:
+        """Pseudo-outcomes behind this request's prior: few while its pool rests on little evidence.
+
+        Worked example (defaults: cold 2, warm 6): the n-gram prior after a 1-token match gives a
+        first draft 0.2. In a fresh pool, a request whose first draft was accepted reads
+        (2 * 0.2 + 1) / 3 = 0.47, and 0.57 after two (by then its prior weighs 3 and the pool has
+        moved up with it); against a warm pool that many requests confirmed at 0.2, the same two
+        drafts give (6 * 0.2 + 2) / 8 = 0.4 (tests/test_planner_cold_start.py)."""
+        cfg = self.pool.config
+        return min(cfg.request_prior_strength, cfg.cold_prior_strength + self.pool.evidence)
 
     def estimate(self) -> AcceptanceEstimate:
         if self._cached is None or self._cached_pool_version != self.pool.version:
-            self._cached = _posterior(self.pool.belief, self.pool.config.request_prior_strength, self.counts)
+            self._cached = _posterior(self.pool.belief, self.prior_strength, self.counts)
             self._cached_pool_version = self.pool.version
         return self._cached

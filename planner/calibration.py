@@ -55,6 +55,18 @@ class AcceptanceCalibration:
         ratio = (cfg.prior_tokens + self.accepted) / (cfg.prior_tokens + self.expected)
         self.factor = max(cfg.min_factor, min(cfg.max_factor, ratio))
 
+    def state(self) -> dict:
+        return {"expected": self.expected, "accepted": self.accepted}
+
+    def load_state(self, state: dict, max_expected: float) -> None:
+        """A saved ratio, weighed as at most ``max_expected`` expected tokens of evidence."""
+        expected, accepted = float(state["expected"]), float(state["accepted"])
+        scale = min(1.0, max_expected / expected) if expected > 0 else 0.0
+        self.expected, self.accepted = expected * scale, accepted * scale
+        cfg = self.config
+        ratio = (cfg.prior_tokens + self.accepted) / (cfg.prior_tokens + self.expected)
+        self.factor = max(cfg.min_factor, min(cfg.max_factor, ratio))
+
     def apply(self, estimate: AcceptanceEstimate) -> AcceptanceEstimate:
         """The estimate with every draft's gain scaled by the factor (through alpha_first)."""
         if self.factor == 1.0:

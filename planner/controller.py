@@ -15,6 +15,7 @@ attribute only, so importing it does not pull in the engine (or torch).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..profiler.latency_model import DraftCost, LatencyModel, StepShape
@@ -157,6 +158,11 @@ class Planner:
             self.timing = StepTimingLearner(self.draft_cost_prior, self.config.timing,
                                             fit_per_pass=proposer not in LOOKUP_PROPOSERS)
         return self.timing
+
+    @property
+    def pools(self) -> Mapping[tuple[str, str, bool, int | None], PooledAcceptance]:
+        """Every pooled belief so far, by (proposer, workload, greedy, match bucket) (read-only view)."""
+        return MappingProxyType(self._pools)
 
     def pool(self, proposer: str, workload: str, greedy: bool = True, match: int | None = None) -> PooledAcceptance:
         """The pooled belief for new requests' drafts; ``match``: a match-length bucket."""

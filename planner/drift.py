@@ -11,7 +11,8 @@ measurement from switching the planner's notion of cost off entirely.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field, fields
 
 from ..profiler.latency_model import LatencyModel, StepShape
 from .timing import solve3
@@ -53,6 +54,17 @@ class DriftCorrection:
         self.factor = math.exp(self.log_factor)
         self.samples += 1
 
+    def state(self) -> dict:
+        return {"log_factor": self.log_factor, "samples": self.samples}
+
+    def load_state(self, state: dict, max_samples: int) -> None:
+        """A saved factor, as if from at most ``max_samples`` samples (so this run's first steps,
+        averaged in at weight 1 / (samples + 1), move it fast)."""
+        cfg = self.config
+        self.log_factor = max(-cfg.max_log_factor, min(cfg.max_log_factor, float(state["log_factor"])))
+        self.factor = math.exp(self.log_factor)
+        self.samples = max(0, min(int(state["samples"]), max_samples))
+
 
 class DriftCorrectedLatency:
     """A LatencyModel whose predictions are scaled by the current drift factor."""
@@ -89,6 +101,14 @@ class DraftSlopeConfig:
     # A baseline is fresh while the bucket's discounted count of plain steps is at least this:
     # at 0.25 and a discount of 0.98, for ~70 decode steps after a plain one (``has_baseline``).
     fresh_baseline: float = 0.25
+    # Outliers (a GC pause, a page-fault storm, another process's burst): once a bucket holds
+    # ``outlier_warmup`` steps, a step's log ratio to the fit's prediction is clipped to within
+    # ``outlier_width`` of the median of it and the bucket's ``outlier_window - 1`` previous ones.
+    # A lone spike is clipped to ~16%; a lasting change of level is the median after half the
+    # window and passes whole (``_robust``).
+    outlier_window: int = 5
+    outlier_width: float = 0.15
+    outlier_warmup: float = 4.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.discount <= 1.0:
@@ -101,6 +121,8 @@ class DraftSlopeConfig:
             raise ValueError("need 0 < min_slope <= 1 <= max_slope")
         if self.jump_prior_units <= 0 or self.max_jump < 0:
             raise ValueError("jump_prior_units must be > 0 and max_jump >= 0")
+        if self.outlier_window < 1 or self.outlier_width <= 0:
+            raise ValueError("outlier_window must be >= 1 and outlier_width > 0")
 
 
 @dataclass
@@ -118,6 +140,11 @@ class _Bucket:
     plain_steps: int = 0
     plain_w: float = 0.0  # discounted count of plain steps: how fresh the baseline is
     evidence: float = 0.0  # sum of x^2 over steps with drafts, discounted only by such steps
+    recent: list = field(default_factory=list)  # the latest steps' log(z / predicted z), raw (``_robust``)
+
+    def sums(self) -> dict:
+        """The fit's discounted sums (what the belief store saves; ``recent`` is this run's)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recent"}
 
 
 @dataclass(frozen=True)
@@ -185,6 +212,15 @@ class DraftSlope:
         b = self._buckets.get(self.bucket(num_seqs))
         if b is None or b.plain_steps == 0:
             return DraftPrice()
+        r, q, v = self._solve(b)
+        slope = q / r if r > 0 else cfg.max_slope
+        jump = v / r if r > 0 else 0.0
+        return DraftPrice(max(cfg.min_slope, min(cfg.max_slope, slope)), max(-cfg.max_jump, min(cfg.max_jump, jump)),
+                          b.evidence / cfg.unit_increment ** 2)
+
+    def _solve(self, b: _Bucket) -> tuple[float, float, float]:
+        """(r, q = r s, v = r j): the bucket's fitted level, slope term and jump term."""
+        cfg = self.config
         # Minimize sum w (z - r - q x - v d)^2 + p (q - r)^2 + pj v^2 + eps (r - 1)^2 over
         # (r, q = r s, v = r j): the priors say s = 1 and j = 0; eps only keeps the system
         # solvable. Normal equations, rows d/dr, d/dq, d/dv:
@@ -194,10 +230,7 @@ class DraftSlope:
         p, pj, eps = cfg.prior_units * cfg.unit_increment ** 2, cfg.jump_prior_units * cfg.unit_increment ** 2, 1e-6
         r, q, v = solve3([[b.w + p + eps, b.wx - p, b.wd], [b.wx - p, b.wxx + p, b.wxd], [b.wd, b.wxd, b.wd + pj]],
                          [b.wz + eps, b.wxz, b.wdz])
-        slope = q / r if r > 0 else cfg.max_slope
-        jump = v / r if r > 0 else 0.0
-        return DraftPrice(max(cfg.min_slope, min(cfg.max_slope, slope)), max(-cfg.max_jump, min(cfg.max_jump, jump)),
-                          b.evidence / cfg.unit_increment ** 2)
+        return r, q, v
 
     def slope(self, num_seqs: int) -> float:
         """The learned slope for this batch size."""
@@ -238,8 +271,45 @@ class DraftSlope:
         self._add(b, x, measured_s / base_s, drafted=True)
         b.evidence = b.evidence * self.config.discount + x * x
 
+    def _robust(self, b: _Bucket, x: float, z: float, d: float) -> float:
+        """z with its log ratio to the fit's prediction clipped to within ``outlier_width`` of the
+        median of the bucket's recent ratios and its own (a median filter: one noisy step moves the
+        fit a little, a lasting change fully once it is the median).
+
+        Worked example, window 5, width 0.15: recent ratios [0.01, -0.02, 0.0, 0.03] and a step at
+        log ratio 1.1 (a 3x spike): the median of the five is 0.01, the step enters at 0.16 (1.17x
+        the prediction). Two more steps at 1.1 after it make 1.1 the median: they enter whole."""
+        cfg = self.config
+        if b.w < cfg.outlier_warmup or b.plain_steps == 0:
+            return z
+        r, q, v = self._solve(b)
+        predicted = r + q * x + v * d
+        if not predicted > 0:
+            return z
+        e = math.log(z / predicted)
+        b.recent = (b.recent + [e])[-cfg.outlier_window:]
+        m = statistics.median(b.recent)
+        return predicted * math.exp(max(m - cfg.outlier_width, min(m + cfg.outlier_width, e)))
+
+    def state(self) -> dict:
+        """Every batch-size bucket's sums, as plain numbers (planner/beliefs.py saves them)."""
+        return {str(k): b.sums() for k, b in self._buckets.items()}
+
+    def load_state(self, state: dict, max_steps: float) -> None:
+        """Saved buckets, each weighed as at most ``max_steps`` decode steps. None of them counts as
+        a fresh baseline: the machine's level in another run says little about this one's, so the
+        policy measures a plain step first, as it does without saved beliefs."""
+        names = {f.name for f in fields(_Bucket)} - {"recent"}
+        for key, sums in state.items():
+            values = {k: float(v) for k, v in sums.items() if k in names}
+            scale = min(1.0, max_steps / values["w"]) if values.get("w", 0.0) > 0 else 0.0
+            b = _Bucket(**{k: v * scale for k, v in values.items()})
+            b.plain_steps, b.plain_w = int(values.get("plain_steps", 0)), 0.0
+            self._buckets[int(key)] = b
+
     def _add(self, b: _Bucket, x: float, z: float, drafted: bool = False) -> None:
         g, d = self.config.discount, float(drafted)
+        z = self._robust(b, x, z, d)
         b.plain_w = b.plain_w * g + (1.0 - d)
         b.w = b.w * g + 1.0
         b.wx = b.wx * g + x

@@ -13,6 +13,7 @@ emerges from steps with different depths. Coefficients are kept >= 0.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from .goodput import DraftCost
@@ -22,12 +23,23 @@ from .goodput import DraftCost
 class TimingConfig:
     discount: float = 0.98  # per step: ~50 steps of memory
     prior_weight: float = 0.05  # how many steps' worth of evidence the prior draft cost counts for
+    # Outliers (a GC pause inside the step's bookkeeping): once ``outlier_warmup`` steps were seen,
+    # a step's residual against the fit is clipped to within max(outlier_width x the prediction,
+    # outlier_floor_s) of the median of it and the previous ``outlier_window - 1`` residuals. A lone
+    # 50 ms pause then moves the overhead by what a ~1.5x step would; a lasting change becomes the
+    # median after half the window and passes whole (as in planner/drift.py ``DraftSlope``).
+    outlier_window: int = 5
+    outlier_width: float = 0.5
+    outlier_floor_s: float = 2e-4
+    outlier_warmup: int = 8
 
     def __post_init__(self) -> None:
         if not 0.0 < self.discount <= 1.0:
             raise ValueError(f"discount must be in (0, 1], got {self.discount}")
         if self.prior_weight <= 0:
             raise ValueError("prior_weight must be > 0")
+        if self.outlier_window < 1 or self.outlier_width <= 0 or self.outlier_floor_s < 0:
+            raise ValueError("outlier_window must be >= 1, outlier_width > 0 and outlier_floor_s >= 0")
 
 
 def solve3(a: list[list[float]], b: list[float]) -> list[float]:
@@ -61,17 +73,49 @@ class StepTimingLearner:
         self.steps = 0
         self.overhead_s = 0.0
         self.draft_cost = prior
+        self._recent: list[float] = []  # the latest steps' residuals against the fit, raw (``_robust``)
 
     def observe(self, rest_s: float, total_drafts: int, deepest_k: int) -> None:
         if not rest_s >= 0.0:  # negative or NaN: clocks disagree; skip
             return
         d = self.config.discount
         x = (1.0, float(deepest_k) if self.fit_per_pass else 0.0, float(total_drafts))
+        rest_s = self._robust(rest_s, x)
         for i in range(3):
             self._xty[i] = self._xty[i] * d + x[i] * rest_s
             for j in range(3):
                 self._xtx[i][j] = self._xtx[i][j] * d + x[i] * x[j]
         self.steps += 1
+        self._refit()
+
+    def _robust(self, rest_s: float, x: tuple[float, float, float]) -> float:
+        """rest_s with its residual clipped around the median of the recent ones (a median filter).
+
+        Worked example, window 5, width 0.5, the fit predicting 1 ms: residuals [0.0, 0.1, -0.1,
+        0.0] ms and a step at 51 ms (+50): the median of the five is 0.0, the step enters at 1.5 ms."""
+        cfg = self.config
+        if self.steps < cfg.outlier_warmup:
+            return rest_s
+        predicted = self.overhead_s + self.draft_cost.per_pass_s * x[1] + self.draft_cost.per_token_s * x[2]
+        e = rest_s - predicted
+        self._recent = (self._recent + [e])[-cfg.outlier_window:]
+        m = statistics.median(self._recent)
+        width = max(cfg.outlier_width * predicted, cfg.outlier_floor_s)
+        return max(0.0, predicted + max(m - width, min(m + width, e)))
+
+    def state(self) -> dict:
+        return {"xtx": [row[:] for row in self._xtx], "xty": self._xty[:], "steps": self.steps}
+
+    def load_state(self, state: dict, max_steps: float) -> None:
+        """A saved fit, weighed as at most ``max_steps`` steps (xtx[0][0] is the discounted step count)."""
+        xtx = [[float(v) for v in row] for row in state["xtx"]]
+        xty = [float(v) for v in state["xty"]]
+        if len(xtx) != 3 or any(len(row) != 3 for row in xtx) or len(xty) != 3:
+            raise ValueError("timing state needs a 3x3 xtx and 3 xty")
+        scale = min(1.0, max_steps / xtx[0][0]) if xtx[0][0] > 0 else 0.0
+        self._xtx = [[v * scale for v in row] for row in xtx]
+        self._xty = [v * scale for v in xty]
+        self.steps = int(state.get("steps", 0))
         self._refit()
 
     def _refit(self) -> None:

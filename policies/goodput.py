@@ -213,6 +213,13 @@ class GoodputPolicy:
     # Exploring when the choice is "off": the optimistic allocation may lose at most this share of
     # predicted goodput (at the learned draft slope) to find out whether drafts really cost that much.
     explore_budget: float = 0.05
+    # ... in a memory-bound step. Exploring pays where a draft is cheap; in a compute-bound step a
+    # draft costs about what a token does, and a probe there mostly loses (at B = 16 a probe
+    # bought little evidence per step, so the optimistic slope lasted and probes kept running).
+    # So the budget is whole while the step's arithmetic intensity is under this share of the
+    # ridge, falls linearly to nothing at the ridge, and is nothing past it (``explore_share``).
+    # Without a roofline (no profile) the budget is whole.
+    explore_full_below: float = 0.5
     # Requests without a verified draft of their own speculate a few at a time while their pool's
     # belief rests on fewer observed request-steps than this (``_slow_start``).
     slow_start_evidence: float = 32.0
@@ -223,6 +230,8 @@ class GoodputPolicy:
             raise ValueError(f"min_relative_gain must be >= 0, got {self.min_relative_gain}")
         if not 0 <= self.explore_budget < 1:
             raise ValueError(f"explore_budget must be in [0, 1), got {self.explore_budget}")
+        if not 0 <= self.explore_full_below < 1:
+            raise ValueError(f"explore_full_below must be in [0, 1), got {self.explore_full_below}")
         if self.slow_start_evidence < 0:
             raise ValueError(f"slow_start_evidence must be >= 0, got {self.slow_start_evidence}")
 
@@ -245,7 +254,20 @@ class GoodputPolicy:
             return self._slow_start(state, cost, chosen)
         if not (self.explore_budget and state.pricing.explore_slope < state.pricing.draft_slope):
             return chosen
-        return self._probe(state, cost, chosen) or chosen
+        budget = self.explore_budget * self.explore_share(state)
+        return (self._probe(state, cost, chosen, budget) if budget > 0 else None) or chosen
+
+    def explore_share(self, state: PolicyState) -> float:
+        """How much of the exploration budget this step may spend: 1 while its intensity is under
+        ``explore_full_below`` x the ridge, 0 from the ridge on, linear between.
+
+        Worked example, ridge 4.4 FLOP/B, full below 0.5: B = 1 (intensity 0.5) and B = 4 (2.0) get
+        the whole budget, B = 8 (3.6) 1 - (3.6 / 4.4 - 0.5) / 0.5 = 0.36 of it, B = 16 (6.1) none."""
+        roofline = state.roofline
+        if roofline is None:
+            return 1.0
+        bound = roofline.intensity(state.base) / roofline.ridge
+        return max(0.0, min(1.0, (1.0 - bound) / (1.0 - self.explore_full_below)))
 
     @staticmethod
     def _baseline(state: PolicyState, cost: StepCostModel, chosen: Allocation) -> Allocation:
@@ -280,9 +302,9 @@ class GoodputPolicy:
         estimates = [r.acceptance for r in state.requests]
         return Allocation(tuple(ks), step_goodput(estimates, ks, cost), cost.seconds(ks), chosen.off_goodput)
 
-    def _probe(self, state: PolicyState, cost: StepCostModel, off: Allocation) -> Allocation | None:
+    def _probe(self, state: PolicyState, cost: StepCostModel, off: Allocation, budget: float) -> Allocation | None:
         """Off at the learned slope; would drafts pay if they cost what the optimistic slope says?
-        Then the largest cut of that optimistic allocation predicted to lose at most the budget at
+        Then the largest cut of that optimistic allocation predicted to lose at most ``budget`` at
         the learned slope: every request's k capped at a depth (deepest first), then at depth 1
         only the r requests with the best first draft (r found by bisection). The measured step
         then tells the planner what drafts really cost here."""
@@ -290,7 +312,7 @@ class GoodputPolicy:
         if not any(optimistic):
             return None
         estimates = [r.acceptance for r in state.requests]
-        floor = (1 - self.explore_budget) * off.goodput
+        floor = (1 - budget) * off.goodput
 
         def judged(ks: tuple[int, ...]) -> Allocation | None:
             step_s = cost.seconds(ks)

@@ -215,4 +215,12 @@ def default_profile_path(fp) -> Path:
     return profile_cache_dir() / f"{fp.model}-{fp.model_config_hash}-{fp.device}-{fp.dtype}-t{fp.threads}-{fp.kernels}.json"
 
 
-__all__ = ["GridSpec", "measure_grid", "build_profile", "run_profile", "default_profile_path", "step_costs"]
+def default_beliefs_path(fp) -> Path:
+    """Where the planner's learned beliefs for this model and machine live (planner/beliefs.py):
+    beside the cached profile, under the same key."""
+    profile = default_profile_path(fp)
+    return profile.with_name(profile.stem + ".beliefs.json")
+
+
+__all__ = ["GridSpec", "measure_grid", "build_profile", "run_profile", "default_profile_path", "default_beliefs_path",
+           "step_costs"]

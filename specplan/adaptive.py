@@ -1,14 +1,18 @@
 """Building the adaptive planner for `generate --adaptive` and `serve --adaptive`: find (or make)
-the profile for this model and machine, check it matches, and steer with it."""
+the profile for this model and machine, check it matches, and steer with it; start from the beliefs
+earlier runs saved beside it (planner/beliefs.py), and save them again."""
 
 from __future__ import annotations
+
+import time
+from typing import Any
 
 import torch
 import typer
 
 from specplan.engine import LoadedModel
 from specplan.profiler.profile import PROFILE_VERSION, Profile, ProfileError, check_matches, fingerprint
-from specplan.profiler.run import default_profile_path, profile_cache_dir, run_profile
+from specplan.profiler.run import default_beliefs_path, default_profile_path, profile_cache_dir, run_profile
 
 
 def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: torch.dtype = torch.float32,
@@ -43,15 +47,71 @@ def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: t
     return profile
 
 
+def _warn(message: str) -> None:
+    typer.secho(f"warning: {message}", err=True, fg=typer.colors.YELLOW)
+
+
+def belief_store(loaded: LoadedModel, profile: Profile | None, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", path=None):
+    """The beliefs file for this model and machine (``path``, default: beside the cached profile,
+    same key), tied to ``profile``'s latency model; a bad file is named in one warning when first read."""
+    from specplan.planner.beliefs import BeliefStore, latency_id
+
+    current = fingerprint(loaded.config, dtype, device)
+    return BeliefStore(path or default_beliefs_path(current), identity={"model": current.model,
+                                                                "model_config_hash": current.model_config_hash},
+                       latency=latency_id(profile.latency_model) if profile is not None else None, warn=_warn)
+
+
 def make_planner(loaded: LoadedModel, *, proposer: str, policy: str | None, profile_path: str | None,
-                 sla_itl_ms: float | None, max_k: int):
+                 sla_itl_ms: float | None, max_k: int, beliefs: bool = True):
+    """(the planner, its belief store or None): with ``beliefs``, the planner starts from what
+    earlier runs saved for this model and machine; the caller saves it back (``store.save``)."""
     from specplan.planner.from_profile import planner_from_profile
     from specplan.policies import make_policy
 
     rule = make_policy(policy or "goodput")  # ValueError for a bad name before a profile is measured
     profile = load_or_make_profile(loaded, profile_path)
-    return planner_from_profile(profile, rule, proposer=proposer, max_k=max_k,
-                                sla_itl_s=sla_itl_ms / 1000 if sla_itl_ms is not None else None)
+    planner = planner_from_profile(profile, rule, proposer=proposer, max_k=max_k,
+                                   sla_itl_s=sla_itl_ms / 1000 if sla_itl_ms is not None else None)
+    store = belief_store(loaded, profile) if beliefs else None
+    if store is not None:
+        restored = store.load_into(planner)
+        if restored.pools or restored.step_cost:
+            typer.secho(f"[beliefs from {store.path}: {restored.describe()}]", err=True, fg=typer.colors.BRIGHT_BLACK)
+    return planner, store
 
 
-__all__ = ["load_or_make_profile", "make_planner"]
+class SavesBeliefs:
+    """A SpecDecider around a planner that saves its beliefs every ``interval_s`` seconds, after a
+    step, in the engine's own thread (so the planner is never read while it learns). ``serve``
+    steers with it and saves once more at shutdown (``save``)."""
+
+    def __init__(self, planner: Any, store: Any, interval_s: float = 60.0):
+        self.planner = planner
+        self.store = store
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+
+    def decide(self, view: Any) -> list[int]:
+        return self.planner.decide(view)
+
+    def observe(self, record: Any) -> None:
+        self.planner.observe(record)
+        if time.monotonic() - self._last >= self.interval_s:
+            self.save()
+
+    def save(self) -> None:
+        self._last = time.monotonic()
+        try:
+            self.store.save(self.planner)
+        except OSError as e:  # a full or read-only disk must not stop serving
+            _warn(f"could not save beliefs to {self.store.path} ({e})")
+
+    def __getattr__(self, name: str) -> Any:  # predicted_step_s and whatever else the server reads
+        if name == "planner":
+            raise AttributeError(name)
+        return getattr(self.planner, name)
+
+
+__all__ = ["SavesBeliefs", "belief_store", "load_or_make_profile", "make_planner"]

@@ -20,6 +20,8 @@ MaxModelLen = Annotated[int, typer.Option(help="Prompt plus output tokens per re
 KvCacheMib = Annotated[int, typer.Option(help="KV cache budget in MiB.")]
 Quantize = Annotated[str, typer.Option(help="Weights: none (float32) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 blocks as stored) | int8 | q4 (quantized at load).")]
 
+Beliefs = Annotated[bool, typer.Option("--beliefs/--no-beliefs", help="Start the planner from what earlier runs learned for this model and machine (saved beside the profile); --no-beliefs: from its built-in priors.")]
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="specplan: adaptive speculative decoding, planned from the roofline.")
 
@@ -80,6 +82,7 @@ def generate(
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (with --adaptive; default: cached or a fresh quick one).")] = None,
     sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target in ms (with --adaptive).")] = None,
     quantize: Quantize = "none",
+    beliefs: Beliefs = True,
 ) -> None:
     """Generate text for each prompt with the built-in engine."""
     if any(not p for p in prompts):
@@ -105,18 +108,22 @@ def generate(
                 "draft_layers": draft_layers}
     t0 = time.perf_counter()
     loaded = load_model(model, quantize=quantize)
-    decider = None
+    decider = store = None
     if adaptive:
         from specplan.adaptive import make_planner
 
-        decider = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
-                               sla_itl_ms=sla_itl_ms, max_k=max(spec_k, 8))
+        decider, store = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
+                                      sla_itl_ms=sla_itl_ms, max_k=max(spec_k, 8), beliefs=beliefs)
     llm = LLM(speculative_config=spec, decider=decider, loaded=loaded)
     load_s = time.perf_counter() - t0
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts] if chat else prompts
     t0 = time.perf_counter()
     outputs = llm.generate(inputs, params, progress=not as_json and sys.stderr.isatty())
     elapsed = time.perf_counter() - t0
+    if store is not None:
+        from specplan.adaptive import SavesBeliefs
+
+        SavesBeliefs(decider, store).save()  # what this run learned, for the next one
     total = sum(len(o.token_ids) for o in outputs)
     for prompt, o in zip(prompts, outputs):
         if as_json:
@@ -162,6 +169,7 @@ def serve(
     sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target in ms (with --adaptive).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     quantize: Quantize = "none",
+    beliefs: Beliefs = True,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     _check_speculation(proposer, spec_k, max_k, draft_model, draft_layers, model)
@@ -178,13 +186,15 @@ def serve(
 
     t0 = time.perf_counter()
     loaded = load_model(model, quantize=quantize)
-    decider = None
+    decider = saver = None
     if adaptive:
-        from specplan.adaptive import make_planner
+        from specplan.adaptive import SavesBeliefs, make_planner
 
         proposer = proposer or "ngram"
-        decider = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
-                               sla_itl_ms=sla_itl_ms, max_k=max_k if max_k is not None else 8)
+        decider, store = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
+                                      sla_itl_ms=sla_itl_ms, max_k=max_k if max_k is not None else 8, beliefs=beliefs)
+        if store is not None:
+            decider = saver = SavesBeliefs(decider, store)  # every minute, and at shutdown below
     engine = build_engine(model, proposer=proposer, spec_k=spec_k, max_k=max_k, draft_model=draft_model,
                           draft_layers=draft_layers, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -196,8 +206,12 @@ def serve(
     typer.secho(f"[{engine.model_name}: loaded in {time.perf_counter() - t0:.1f}s; {spec_line}; "
                 f"{engine.block_manager.num_blocks} KV blocks; http://{host}:{port}/v1]",
                 err=True, fg=typer.colors.BRIGHT_BLACK)
-    run_server(host=host, port=port, served_model_name=served_model_name, max_queued=max_queued,
-               log_level=log_level, engine=engine)
+    try:
+        run_server(host=host, port=port, served_model_name=served_model_name, max_queued=max_queued,
+                   log_level=log_level, engine=engine)
+    finally:
+        if saver is not None:
+            saver.save()
 
 
 @app.command("profile")
@@ -209,12 +223,20 @@ def profile_cmd(
     report_dir: Annotated[Path, typer.Option(help="Where the Markdown report and plots go.")] = Path("reports"),
     draft_layers: Annotated[int, typer.Option(help="Layer-skip draft depth whose cost is measured.")] = 8,
     quantize: Quantize = "none",
+    reset_beliefs: Annotated[bool, typer.Option("--reset-beliefs", help="Forget what the planner learned for this model and machine (its saved beliefs) and exit; measures nothing.")] = False,
 ) -> None:
     """Measure this machine and model: roofline ceilings, step-time grid, drafting costs, latency fit."""
     import shlex
     import sys
 
     check.model_path(model)
+    if reset_beliefs:
+        from specplan.adaptive import belief_store
+        from specplan.engine import load_model
+
+        store = belief_store(load_model(model, quantize=quantize), None)
+        typer.echo(f"{'removed' if store.reset() else 'no saved beliefs at'} {store.path}")
+        return
     check.at_least(draft_layers, 1, "--draft-layers")
     check.output_file(out, "--out", "profile.json")
     check.output_dir(report_dir, "--report-dir")
@@ -260,6 +282,7 @@ def sweep(
     kv_cache_mib: KvCacheMib = 512,
     max_model_len: MaxModelLen = 2048,
     in_process_client: Annotated[bool, typer.Option(help="Run the load generator in the server's process (default: a child process).")] = False,
+    beliefs: Beliefs = True,
 ) -> None:
     """Run every policy at every load level against an in-process server; write parquet results and the report."""
     import shlex
@@ -298,7 +321,7 @@ def sweep(
                      profile=profile, seed=seed, concurrency=[int(x) for x in levels] if concurrency is not None else None,
                      max_tokens=max_tokens, max_input_tokens=max_input_tokens, warmup_requests=warmup_requests,
                      drain_timeout_s=drain_timeout_s, burstiness=burstiness, temperature=temperature,
-                     ignore_eos=ignore_eos, max_k=max_k, client_process=not in_process_client,
+                     ignore_eos=ignore_eos, max_k=max_k, client_process=not in_process_client, beliefs=beliefs,
                      engine_kwargs={"max_num_seqs": max_num_seqs, "kv_cache_bytes": kv_cache_mib * 1024**2,
                                     "max_model_len": max_model_len},
                      progress=sys.stderr.isatty(), command="specplan " + shlex.join(sys.argv[1:]))
@@ -369,6 +392,7 @@ def evaluate_cmd(
     clairvoyant: Annotated[bool, typer.Option(help="Also run a decider that knows each step's accepted lengths: the ceiling of per-request k (ngram only).")] = True,
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
     quantize: Quantize = "none",
+    beliefs: Beliefs = True,
 ) -> None:
     """Every policy against every static k on the same closed batches, offline (greedy, goodput)."""
     import shlex
@@ -385,15 +409,20 @@ def evaluate_cmd(
     check.profile_file(profile)
     _check_workload_data(*workload_names)
     check.output_dir(out, "--out")
-    from specplan.adaptive import load_or_make_profile
+    from specplan.adaptive import belief_store, load_or_make_profile
     from specplan.engine import load_model
     from specplan.bench.evaluate import evaluate, render_evaluation
 
     loaded = load_model(model, quantize=quantize)
     prof = load_or_make_profile(loaded, profile)
+    store = belief_store(loaded, prof) if beliefs else None  # read only: the evaluation saves nothing
+    if store is not None and store.document() is not None:
+        typer.secho(f"[every planner starts from the beliefs in {store.path}; --no-beliefs for cold ones]",
+                    err=True, fg=typer.colors.BRIGHT_BLACK)
     frames = [evaluate(loaded, prof, proposer=p, workloads=workload_names, batch_sizes=sizes,
                        policies=policy_names, max_tokens=max_tokens, repeats=repeats,
-                       min_requests=min_requests, null_control=null_control, clairvoyant=clairvoyant)
+                       min_requests=min_requests, null_control=null_control, clairvoyant=clairvoyant,
+                       beliefs=store)
               for p in proposer_names]
     path = render_evaluation(pd.concat(frames, ignore_index=True), out,
                              "specplan " + shlex.join(sys.argv[1:]))

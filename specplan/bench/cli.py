@@ -123,3 +123,46 @@ def bench_spec(
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
     typer.echo(f"wrote {out / 'spec-bench.md'}")
+
+
+@bench_app.command("coldstart")
+@reports_errors
+def bench_coldstart(
+    out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports/coldstart"),
+    model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf (default: embedded SmolLM2).")] = None,
+    profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached or a fresh quick one).")] = None,
+    workloads: Annotated[str, typer.Option(help="Comma-separated workloads.")] = "humaneval,gsm8k,mtbench,xsum",
+    prompts: Annotated[int, typer.Option(help="Cold-start prompts per workload (each arm: one process per prompt per run); 0 skips the cold-start cells.")] = 3,
+    runs: Annotated[int, typer.Option(help="Runs per cell (medians and spread over them).")] = 5,
+    static_ks: Annotated[str, typer.Option(help="Comma-separated static k arms (SD off always runs).")] = "1,2,3,4",
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 128,
+    train_prompts: Annotated[int, typer.Option(help="Other prompts of the workload the beliefs are learned on.")] = 8,
+    mixed_batch: Annotated[int, typer.Option(help="B of the mixed-workload cell (0 skips it).")] = 16,
+    calibration_after: Annotated[str, typer.Option(help="Comma-separated request counts to read calibration after ('' skips it).")] = "0,10,100",
+    calibration_window: Annotated[int, typer.Option(help="Requests read at each calibration checkpoint.")] = 5,
+) -> None:
+    """The planner on traffic it has not seen: one cold request per process (off, static k, adaptive
+    with and without saved beliefs), a mixed-workload batch, and calibration after 0, 10, 100 requests."""
+    from specplan.bench.evaluate import WORKLOADS
+
+    workload_names = check.choices(workloads, WORKLOADS, "--workloads")
+    ks = check.int_list(static_ks, "--static-ks", 1)
+    after = check.int_list(calibration_after, "--calibration-after", 0) if calibration_after.strip() else []
+    for value, option in ((prompts, "--prompts"), (mixed_batch, "--mixed-batch")):
+        check.at_least(value, 0, option)
+    for value, option in ((runs, "--runs"), (max_tokens, "--max-tokens"), (train_prompts, "--train-prompts"),
+                          (calibration_window, "--calibration-window")):
+        check.at_least(value, 1, option)
+    check.model_path(model)
+    check.profile_file(profile)
+    from specplan.bench.workloads import data_files
+
+    data_files()
+    check.output_dir(out, "--out")
+    from specplan.bench.coldstart import run_coldstart
+
+    path = run_coldstart(out, model=model, profile=profile, workloads=workload_names, prompts=prompts, runs=runs,
+                         static_ks=ks, max_tokens=max_tokens, train_prompts=train_prompts, mixed_batch=mixed_batch,
+                         calibration_after=after, calibration_window=calibration_window,
+                         progress=sys.stderr.isatty(), command="specplan " + shlex.join(sys.argv[1:]))
+    typer.echo(f"wrote {path}")

@@ -87,9 +87,11 @@ class KRecorder:
         return getattr(self.inner, name)
 
 
-def make_decider(policy: str, *, proposer: str, profile: Any, sla: SLA, max_k: int) -> tuple[Any, str]:
+def make_decider(policy: str, *, proposer: str, profile: Any, sla: SLA, max_k: int,
+                 beliefs: Any = None) -> tuple[Any, str]:
     """The decider a policy runs with, and a description: off / static:K are fixed deciders (no
-    planner in the loop, as serving stacks run them); the rest are the planner with that policy."""
+    planner in the loop, as serving stacks run them); the rest are the planner with that policy,
+    started from ``beliefs`` (a planner/beliefs.py BeliefStore) when given."""
     from specplan.engine import FixedDecider
     from specplan.planner import planner_from_profile
     from specplan.policies import OffPolicy, StaticPolicy, make_policy
@@ -102,6 +104,8 @@ def make_decider(policy: str, *, proposer: str, profile: Any, sla: SLA, max_k: i
         raise ValueError(f"policy {policy!r} needs a latency profile (--profile)")
     sla_s = sla.itl_ms / 1000.0 if sla.itl_ms is not None else None
     planner = planner_from_profile(profile, rule, proposer=proposer, sla_itl_s=sla_s, max_k=max_k)
+    if beliefs is not None:
+        beliefs.load_into(planner)
     return planner, (f"Planner({policy}, profile latency model, sla_itl_s={sla_s})" if profile is not None
                      else f"Planner({policy}, no profile)")
 

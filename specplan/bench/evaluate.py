@@ -39,6 +39,7 @@ from rich.progress import Progress
 from specplan.bench.clairvoyant import SELF_CONTAINED_PROPOSERS, ClairvoyantDecider, Replayed, replay
 from specplan.bench.workloads import load_workload
 from specplan.engine import CacheConfig, EngineConfig, FixedDecider, LLMEngine, LoadedModel, Proposer, SamplingParams, SchedulerConfig, SpecConfig, make_proposer
+from specplan.planner.controller import Planner
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy
 from specplan.profiler.profile import Profile
@@ -69,12 +70,20 @@ def _request_index(request_id: str) -> int:
     return int(request_id.rsplit("-", 1)[1])
 
 
-def _engine(loaded: LoadedModel, proposer: str, max_batch: int, draft_layers: int) -> LLMEngine:
+def _engine(loaded: LoadedModel, proposer: str, max_batch: int, draft_layers: int,
+            kv_cache_mib: int = 1536) -> LLMEngine:
     config = EngineConfig(
-        cache=CacheConfig(block_size=16, kv_cache_bytes=1536 * 1024**2),
+        cache=CacheConfig(block_size=16, kv_cache_bytes=kv_cache_mib * 1024**2),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=1024, max_model_len=2048),
         spec=SpecConfig(proposer=proposer, k=0, max_k=8, draft_layers=draft_layers))
     return LLMEngine(config, loaded)
+
+
+def _warm(planner, beliefs):
+    """The planner, started from ``beliefs`` (a BeliefStore) when given."""
+    if beliefs is not None and isinstance(planner, Planner):
+        beliefs.load_into(planner)
+    return planner
 
 
 def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: int,
@@ -134,7 +143,8 @@ def clairvoyant_for(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
 def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", workloads=WORKLOADS,
              batch_sizes=BATCH_SIZES, static_ks=STATIC_KS, policies=POLICIES, max_tokens: int = 64,
              draft_layers: int = 8, seed: int = 0, repeats: int = 1, min_requests: int = 4,
-             null_control: bool = True, clairvoyant: bool = False, progress: bool = True) -> pd.DataFrame:
+             null_control: bool = True, clairvoyant: bool = False, progress: bool = True,
+             beliefs=None) -> pd.DataFrame:
     """One row per (workload, B, decider): the median over ``repeats`` of goodput and friends. The
     deciders of a cell run interleaved within each repeat, in an order rotated by one each repeat,
     so machine drift hits them alike. A cell runs max(B, min_requests) requests at concurrency B:
@@ -143,11 +153,15 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
 
     ``clairvoyant``: also run the clairvoyant decider (n-gram only; skipped for other proposers),
     which needs each cell's outputs first: one unrecorded SD-off run per cell gives them (and
-    warms the cell up)."""
+    warms the cell up).
+
+    ``beliefs``: a planner/beliefs.py ``BeliefStore`` every policy's planner starts from (read,
+    never written); None: the built-in priors (a cold planner per run)."""
     engine = _engine(loaded, proposer, max(batch_sizes), draft_layers)
     clairvoyant = clairvoyant and proposer in SELF_CONTAINED_PROPOSERS
     deciders = [(f"static:{k}", lambda k=k: FixedDecider(k)) for k in static_ks]
-    deciders += [(p, lambda p=p: planner_from_profile(profile, make_policy(p), proposer=proposer, max_k=8))
+    deciders += [(p, lambda p=p: _warm(planner_from_profile(profile, make_policy(p), proposer=proposer, max_k=8),
+                                       beliefs))
                  for p in policies]
     if null_control:
         deciders.append((NULL_CONTROL, lambda: FixedDecider(0)))

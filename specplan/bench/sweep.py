@@ -39,7 +39,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
               drain_timeout_s: float | None = None, burstiness: float = 1.0, temperature: float = 0.0,
               ignore_eos: bool = False, max_k: int = 8, max_queued: int = 1024, loaded: Any = None,
               engine_kwargs: dict | None = None, client_process: bool = True, progress: bool = True,
-              command: str | None = None, render: bool = True) -> Path:
+              command: str | None = None, render: bool = True, beliefs: bool = False) -> Path:
     """Run every policy at every load level and write ``<out>/requests.parquet`` (one row per
     request), ``<out>/levels.parquet`` (one row per policy and level) and ``<out>/sweep.json``;
     then, with ``render``, the report (``sweep_report.render_report``).
@@ -50,7 +50,9 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
     levels then run from the lowest load up, each after ``warmup_requests`` unrecorded requests.
     ``profile``: a Profile, a path, or None (the cached profile for this model and machine, made if
     missing, when a policy needs one). ``client_process``: run the load generator in a child
-    process (default; its timestamps do not wait for the server's GIL). Returns the output folder.
+    process (default; its timestamps do not wait for the server's GIL). ``beliefs``: every planner
+    policy starts from the beliefs saved for this model and machine (specplan/adaptive.py
+    ``belief_store``; read, never written). Returns the output folder.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -91,6 +93,11 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
         raise ValueError(f"max_tokens {max_tokens} leaves no room for a prompt in a {max_model_len}-token context")
     max_input_tokens = min(max_input_tokens, input_cap) if max_input_tokens is not None else input_cap
     prof_obj, prof_desc = _profile_for(policies, profile, loaded)
+    store = None
+    if beliefs and prof_obj is not None:
+        from specplan.adaptive import belief_store
+
+        store = belief_store(loaded, prof_obj)
 
     # The same requests for every policy (paired comparison): per level, send times from its own seed.
     level_sends = {}
@@ -112,7 +119,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
         "max_input_tokens": max_input_tokens, "warmup_requests": warmup_requests, "drain_timeout_s": drain,
         "burstiness": burstiness, "temperature": temperature, "ignore_eos": ignore_eos, "seed": seed,
         "model": loaded.name, "model_arg": model, "proposer": proposer, "max_k": max_k,
-        "profile": prof_desc, "engine_kwargs": {k: str(v) for k, v in engine_kwargs.items()},
+        "profile": prof_desc, "beliefs": str(store.path) if store is not None else None, "engine_kwargs": {k: str(v) for k, v in engine_kwargs.items()},
         "num_prompts": len(prompts), "client": "subprocess" if client_process else "in-process",
         "machine": {**machine_info(), "load_avg_1m_at_start": (load_average() or [None])[0]},
         "model_load_s": round(load_s, 2), "deciders": {}, "level_wall_s": {},
@@ -131,7 +138,8 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
     with Progress(*columns, disable=not progress) as bar:
         overall = bar.add_task("sweep (policy × level)", total=len(policies) * len(loads))
         for policy in policies:
-            decider, desc = make_decider(policy, proposer=proposer, profile=prof_obj, sla=sla, max_k=max_k)
+            decider, desc = make_decider(policy, proposer=proposer, profile=prof_obj, sla=sla, max_k=max_k,
+                                         beliefs=store)
             recorder = KRecorder(decider)
             config["deciders"][policy] = desc
             engine = build_engine(loaded=loaded, proposer=proposer, spec_k=min(4, max_k), max_k=max_k,

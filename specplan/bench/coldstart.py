@@ -1,0 +1,510 @@
+"""`specplan bench coldstart`: the planner on traffic it has not seen (issue #32).
+
+The evaluation grid (specplan/bench/evaluate.py) runs many requests per cell in one process, so
+its planner is warm after the first few. A new user's first `specplan generate --adaptive` is not:
+one request, one process, a planner that knows only its built-in priors. This benchmark measures
+that, beside the steady state:
+
+* **cold-start cells** – each of the workloads at B = 1, one request per *process* (a child
+  ``python -m specplan.bench.coldstart``; the model load and one short SD-off request warm the
+  engine first and are not timed, so what differs between arms is the decider alone). Arms: SD
+  off (``static:0``), each static k, the goodput planner from its priors (``adaptive``), and the
+  same planner started from beliefs saved by an earlier process that ran *other* prompts of the
+  same workload (``adaptive+beliefs``; planner/beliefs.py). Each run sends every prompt once per
+  arm, arms interleaved (rotated by one each run) so a slow spell hits them alike; a run's reading
+  of an arm is its output tokens over its seconds summed over the prompts. Reported: median over
+  runs, the spread ((max - min) / median), and ratios paired within a run (evaluate.py
+  ``paired_ratios``: the best static k is picked on the other runs).
+* **mixed-batch cells** – all workloads in one B = batch closed batch (batch / 4 prompts of each,
+  interleaved): SD off, each static k, the planner (cold, a fresh one per run), in one process.
+* **calibration** – one planner, cold, serving a workload's requests one after another (B = 1):
+  for the requests right after 0, 10 and 100 were served, per match-length bucket, what it
+  predicted (first-draft acceptance and accepted drafts per drafted step, calibrated, as the policy
+  saw them) against what the target accepted.
+
+Greedy throughout, so every arm must produce the same tokens: the run checks it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("humaneval", "gsm8k", "mtbench", "xsum")
+STATIC_KS = (1, 2, 3, 4)
+OFF, ADAPTIVE, WARM = "static:0", "adaptive", "adaptive+beliefs"
+# The bar of issue #32 (paired, median of runs).
+COLD_VS_BEST_STATIC, WARM_VS_BEST_STATIC, MIXED_VS_OFF = 0.95, 0.98, 0.98
+CALIBRATION_AFTER = (0, 10, 100)
+BUCKET_NAMES = {None: "none", 1: "1", 2: "2", 3: "3", 4: "4-7", 5: "8-15", 6: "16+"}  # acceptance.match_bucket
+# One request of up to 2,048 tokens: SmolLM2-135M keeps ~46 KB of K/V per token (~94 MB). The
+# evaluation's 1.5 GiB cache took longer to allocate in each child than the request took to run.
+B1_KV_CACHE_MIB = 256
+WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+@dataclass(frozen=True)
+class ChildJob:
+    """What one child process runs: ``prompts`` (token ids) one after another at B = 1 under one
+    decider; with ``save_beliefs`` the planner's beliefs are saved there afterwards."""
+
+    arm: str  # static:K, adaptive, adaptive+beliefs
+    prompts: list[list[int]]
+    max_tokens: int
+    profile: str  # path of the profile every process steers by
+    model: str | None = None
+    proposer: str = "ngram"
+    beliefs: str | None = None  # load from (read only)
+    save_beliefs: str | None = None
+
+
+def _digest(tokens: list[int]) -> str:
+    return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]
+
+
+def _store(loaded, profile, path: str):
+    from specplan.adaptive import belief_store
+
+    return belief_store(loaded, profile, path=Path(path))
+
+
+def _decider(job: ChildJob, loaded, profile):
+    from specplan.engine import FixedDecider
+    from specplan.planner.from_profile import planner_from_profile
+    from specplan.policies import make_policy
+
+    if job.arm.startswith("static:"):
+        return FixedDecider(int(job.arm.split(":")[1]))
+    planner = planner_from_profile(profile, make_policy("goodput"), proposer=job.proposer, max_k=8)
+    if job.beliefs is not None:
+        _store(loaded, profile, job.beliefs).load_into(planner)
+    return planner
+
+
+def run_job(job: ChildJob) -> dict:
+    """Run a job in this process (what the child does): per prompt tokens, seconds and a digest."""
+    from specplan.bench.evaluate import _engine, run_cell
+    from specplan.engine import FixedDecider, load_model
+    from specplan.profiler.profile import Profile
+
+    profile = Profile.load(job.profile)  # a bad path fails before the model loads
+    loaded = load_model(job.model)
+    engine = _engine(loaded, job.proposer, 1, 8, kv_cache_mib=B1_KV_CACHE_MIB)
+    run_cell(engine, [loaded.tokenizer.encode(WARMUP_PROMPT)], FixedDecider(0), 8, concurrency=1)  # untimed
+    decider = _decider(job, loaded, profile)
+    out = {"arm": job.arm, "tokens": [], "seconds": [], "digests": [], "mean_k": [], "k_zero_share": []}
+    for prompt in job.prompts:
+        r = run_cell(engine, [prompt], decider, job.max_tokens, concurrency=1)
+        out["tokens"].append(r["output_tokens"])
+        out["seconds"].append(r["seconds"])
+        out["digests"].append(_digest(r["outputs"][0]))
+        out["mean_k"].append(r["mean_k"])
+        out["k_zero_share"].append(r["k_zero_share"])
+    if job.save_beliefs is not None:
+        _store(loaded, profile, job.save_beliefs).save(decider)
+    return out
+
+
+def spawn(job: ChildJob) -> dict:
+    """Run a job in a fresh process (one request per process: nothing carries over)."""
+    proc = subprocess.run([sys.executable, "-m", "specplan.bench.coldstart"], input=json.dumps(asdict(job)),
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"coldstart child ({job.arm}) failed with exit {proc.returncode}: {tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------ cells
+
+
+def _prompts(loaded, workload: str, n: int, skip: int = 0) -> list[list[int]]:
+    """n prompts the evaluation grid draws (seed 0), after the first ``skip``."""
+    from specplan.bench.evaluate import EVALUATION_POOL
+    from specplan.bench.workloads import load_workload
+
+    pool = load_workload(workload, EVALUATION_POOL, 0)
+    return [p.render(loaded.tokenizer) for p in pool[skip:skip + n]]
+
+
+def cold_start_rows(loaded, profile_path: Path, *, workloads=WORKLOADS, prompts: int = 3, runs: int = 5,
+                    static_ks=STATIC_KS, max_tokens: int = 128, train_prompts: int = 8, model: str | None = None,
+                    proposer: str = "ngram", out_dir: Path, bar=None) -> list[dict]:
+    """One row per (workload, arm, run, prompt): a child process each. The beliefs of the
+    ``adaptive+beliefs`` arm come from one child per workload that served ``train_prompts``
+    prompts the evaluation does not use (evaluate.py ``held_out_prompts``) and saved them."""
+    from specplan.bench.evaluate import held_out_prompts
+
+    arms = [OFF] + [f"static:{k}" for k in static_ks if k] + [ADAPTIVE, WARM]
+    rows = []
+    task = bar.add_task("cold start", total=len(workloads) * (1 + runs * prompts * len(arms))) if bar else None
+
+    def job(arm: str, ps: list[list[int]], **kw) -> ChildJob:
+        return ChildJob(arm, ps, max_tokens, str(profile_path), model, proposer, **kw)
+
+    for w in workloads:
+        beliefs = out_dir / f"beliefs-{w}.json"
+        beliefs.unlink(missing_ok=True)
+        if bar:
+            bar.update(task, description=f"cold start {w}: learning beliefs on other prompts")
+        spawn(job(ADAPTIVE, held_out_prompts(loaded.tokenizer, w, train_prompts), save_beliefs=str(beliefs)))
+        if bar:
+            bar.advance(task)
+        cold = _prompts(loaded, w, prompts)
+        for run in range(runs):
+            order = arms[run % len(arms):] + arms[:run % len(arms)]
+            for i, prompt in enumerate(cold):
+                for arm in order:
+                    if bar:
+                        bar.update(task, description=f"cold start {w} run {run + 1}/{runs} prompt {i + 1} {arm}")
+                    r = spawn(job(arm, [prompt], beliefs=str(beliefs) if arm == WARM else None))
+                    rows.append({"workload": w, "arm": arm, "run": run, "prompt": i, "tokens": r["tokens"][0],
+                                 "seconds": r["seconds"][0], "digest": r["digests"][0], "mean_k": r["mean_k"][0],
+                                 "k_zero_share": r["k_zero_share"][0]})
+                    if bar:
+                        bar.advance(task)
+    return rows
+
+
+def mixed_rows(loaded, profile, *, batch: int = 16, runs: int = 5, static_ks=STATIC_KS, max_tokens: int = 128,
+               workloads=WORKLOADS, proposer: str = "ngram", bar=None) -> list[dict]:
+    """One row per (arm, run): every workload in one closed batch of ``batch`` requests."""
+    from specplan.bench.evaluate import _engine, run_cell
+    from specplan.engine import FixedDecider
+    from specplan.planner.from_profile import planner_from_profile
+    from specplan.policies import make_policy
+
+    per = max(1, batch // len(workloads))
+    sets = [_prompts(loaded, w, per) for w in workloads]
+    prompts = [s[i] for i in range(per) for s in sets][:batch]  # interleaved: humaneval, gsm8k, ...
+    engine = _engine(loaded, proposer, len(prompts), 8)
+    makers = [(OFF, lambda: FixedDecider(0))] + [(f"static:{k}", lambda k=k: FixedDecider(k)) for k in static_ks if k]
+    makers.append((ADAPTIVE, lambda: planner_from_profile(profile, make_policy("goodput"), proposer=proposer, max_k=8)))
+    task = bar.add_task("mixed batch", total=runs * len(makers)) if bar else None
+    rows = []
+    for run in range(runs):
+        shift = run % len(makers)
+        for arm, make in makers[shift:] + makers[:shift]:
+            if bar:
+                bar.update(task, description=f"mixed B={len(prompts)} run {run + 1}/{runs} {arm}")
+            r = run_cell(engine, prompts, make(), max_tokens, concurrency=len(prompts))
+            rows.append({"arm": arm, "run": run, "batch": len(prompts), "tokens": r["output_tokens"],
+                         "seconds": r["seconds"], "goodput": r["goodput"], "mean_k": r["mean_k"],
+                         "k_zero_share": r["k_zero_share"], "digest": _digest(r["outputs"])})
+            if bar:
+                bar.advance(task)
+    return rows
+
+
+@dataclass
+class CalibrationRecorder:
+    """A SpecDecider around a planner: per drafted request-step, the match bucket, what the policy
+    was shown (calibrated estimate: first-draft acceptance, expected accepted drafts for the k
+    the engine ran) and what was accepted; ``requests_seen`` tags the rows."""
+
+    planner: Any
+    requests_seen: int = 0
+    rows: list = field(default_factory=list)
+    _pending: dict = field(default_factory=dict)
+
+    def decide(self, view) -> list[int]:
+        from specplan.planner.acceptance import match_bucket
+
+        ks = self.planner.decide(view)
+        for rv, state, k in zip(view.requests, self.planner.last_state.requests, ks):
+            if k:
+                self._pending[rv.seq_id] = (match_bucket(rv.match_length), state.acceptance.gains)
+        return ks
+
+    def observe(self, record) -> None:
+        self.planner.observe(record)
+        for rr in record.requests:
+            pending = self._pending.pop(rr.seq_id, None)
+            if pending is None or rr.k == 0:
+                continue
+            bucket, gains = pending
+            self.rows.append({"requests_seen": self.requests_seen, "bucket": BUCKET_NAMES.get(bucket, str(bucket)),
+                              "k": rr.k, "predicted_first": gains[0], "first_accepted": float(rr.num_accepted > 0),
+                              "predicted_accepted": sum(gains[:rr.k]), "accepted": rr.num_accepted})
+
+    @property
+    def predicted_step_s(self):
+        return self.planner.predicted_step_s
+
+
+def calibration_rows(loaded, profile, *, workloads=WORKLOADS, after=CALIBRATION_AFTER, window: int = 5,
+                     max_tokens: int = 128, proposer: str = "ngram", bar=None) -> list[dict]:
+    """One row per drafted request-step of a cold planner serving each workload's prompts one
+    after another (source order, from the first), up to max(after) + window requests."""
+    from specplan.bench.evaluate import _engine, run_cell
+    from specplan.bench.workloads import load_workload
+    from specplan.planner.from_profile import planner_from_profile
+    from specplan.policies import make_policy
+
+    total = max(after) + window
+    task = bar.add_task("calibration", total=len(workloads) * total) if bar else None
+    engine = _engine(loaded, proposer, 1, 8, kv_cache_mib=B1_KV_CACHE_MIB)
+    rows = []
+    for w in workloads:
+        prompts = load_workload(w)
+        recorder = CalibrationRecorder(planner_from_profile(profile, make_policy("goodput"), proposer=proposer, max_k=8))
+        for i in range(total):
+            if bar:
+                bar.update(task, description=f"calibration {w}: request {i + 1}/{total}")
+            recorder.requests_seen = i
+            # Only the checkpoints' windows are recorded; the requests between them teach the planner.
+            run_cell(engine, [prompts[i % len(prompts)].render(loaded.tokenizer)], recorder, max_tokens, concurrency=1)
+            if bar:
+                bar.advance(task)
+        rows += [{"workload": w, **r} for r in recorder.rows
+                 if any(c <= r["requests_seen"] < c + window for c in after)]
+    return rows
+
+
+# ------------------------------------------------------------------------------------ summary
+
+
+def _spread(xs: list[float]) -> float:
+    return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
+
+
+def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, after=CALIBRATION_AFTER,
+              window: int = 5) -> dict:
+    """Per cell: each arm's median and spread over runs, the adaptive arms' paired ratios and the
+    bar; calibration per (workload, checkpoint, bucket); whether every arm produced the same tokens."""
+    from specplan.bench.evaluate import paired_ratios
+
+    out: dict[str, Any] = {"cold_start": {}, "mixed": None, "calibration": {}}
+    by_cell: dict[str, dict[str, dict[int, list[dict]]]] = {}
+    for r in cold:
+        by_cell.setdefault(r["workload"], {}).setdefault(r["arm"], {}).setdefault(r["run"], []).append(r)
+    for w, arms in by_cell.items():
+        runs = {arm: [sum(x["tokens"] for x in per[run]) / sum(x["seconds"] for x in per[run]) for run in sorted(per)]
+                for arm, per in arms.items()}
+        digests = {arm: {(x["prompt"], x["digest"]) for rs in per.values() for x in rs} for arm, per in arms.items()}
+        cell = {"tok_s_median": {a: statistics.median(v) for a, v in runs.items()},
+                "spread": {a: _spread(v) for a, v in runs.items()}, "tok_s_runs": runs,
+                "lossless": len({frozenset(d) for d in digests.values()}) == 1}
+        statics = {a: v for a, v in runs.items() if a.startswith("static:")}
+        best = max(statics, key=lambda a: statistics.median(statics[a]))
+        cell["best_static"] = best
+        for arm, bar in ((ADAPTIVE, COLD_VS_BEST_STATIC), (WARM, WARM_VS_BEST_STATIC)):
+            if arm in runs:
+                vs_off, vs_best = paired_ratios(runs, arm)
+                cell[arm] = {"paired_vs_off": vs_off, "paired_vs_best_static": vs_best, "bar": bar,
+                             "meets_bar": vs_best >= bar,
+                             "spread_no_wider_than_best_static": cell["spread"][arm] <= cell["spread"][best]}
+        out["cold_start"][w] = cell
+    if mixed:
+        runs: dict[str, list[float]] = {}
+        for r in sorted(mixed, key=lambda r: r["run"]):
+            runs.setdefault(r["arm"], []).append(r["goodput"])
+        vs_off, vs_best = paired_ratios(runs, ADAPTIVE) if ADAPTIVE in runs else (math.nan, math.nan)
+        out["mixed"] = {"batch": mixed[0]["batch"], "goodput_median": {a: statistics.median(v) for a, v in runs.items()},
+                        "spread": {a: _spread(v) for a, v in runs.items()}, "goodput_runs": runs,
+                        "paired_vs_off": vs_off, "paired_vs_best_static": vs_best,
+                        "meets_bar": vs_off >= MIXED_VS_OFF and vs_best >= 1.0,
+                        "lossless": len({r["digest"] for r in mixed}) == 1}
+    for r in calibration:
+        for checkpoint in (c for c in after if c <= r["requests_seen"] < c + window):  # windows may overlap
+            cell = out["calibration"].setdefault(r["workload"], {}).setdefault(str(checkpoint), {}).setdefault(
+                r["bucket"], {"steps": 0, "predicted_first": 0.0, "first_accepted": 0.0, "predicted_accepted": 0.0,
+                              "accepted": 0.0})
+            cell["steps"] += 1
+            for key in ("predicted_first", "first_accepted", "predicted_accepted", "accepted"):
+                cell[key] += r[key]
+    for per_w in out["calibration"].values():
+        for per_c in per_w.values():
+            for cell in per_c.values():
+                for key in ("predicted_first", "first_accepted", "predicted_accepted", "accepted"):
+                    cell[key] /= cell["steps"]
+    return out
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def render(result: dict, out_dir: Path) -> Path:
+    """coldstart.md and coldstart.png from a result (``run_coldstart``'s JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s, cfg = result["summary"], result["config"]
+    lines = ["# Cold start: the planner on traffic it has not seen", "",
+             f"Command: `{result['command']}`  ", f"Date: {result['date']}  ", result["machine"], "",
+             f"Proposer {cfg['proposer']}, greedy, {cfg['max_tokens']} output tokens per request, "
+             f"{cfg['runs']} runs (arms interleaved, rotated each run). Cold-start cells: B = 1, one request per "
+             f"process, {cfg['prompts']} prompts per workload; a run's reading of an arm is its tokens over its "
+             f"seconds summed over the prompts (the model load and one short SD-off request before each measured "
+             f"request are not timed). `{WARM}` starts from beliefs saved by one process that served "
+             f"{cfg['train_prompts']} other prompts of the workload. Ratios are paired within a run; the best static "
+             "k is picked on the other runs (evaluate.py `paired_ratios`). Spread: (max - min) / median over runs.",
+             ""]
+    if result.get("busy_machine_note"):
+        lines += [f"**{result['busy_machine_note']}**", ""]
+    cold = s["cold_start"]
+    if cold:
+        arms = list(next(iter(cold.values()))["tok_s_median"])
+        lines += ["## Cold start, B = 1", "", "Median tok/s (spread):", "",
+                  "| workload | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+        for w, c in cold.items():
+            lines.append(f"| {w} | " + " | ".join(f"{c['tok_s_median'][a]:.1f} ({100 * c['spread'][a]:.0f}%)"
+                                                 for a in arms) + " |")
+        lines += ["", f"Paired ratios (bar: `{ADAPTIVE}` >= {COLD_VS_BEST_STATIC} x the best static k, `{WARM}` >= "
+                  f"{WARM_VS_BEST_STATIC} x, spread no wider than the best static k's):", "",
+                  "| workload | best static | arm | vs off | vs best static | bar | spread <= best static's | lossless |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for w, c in cold.items():
+            for arm in (ADAPTIVE, WARM):
+                if arm in c:
+                    a = c[arm]
+                    lines.append(f"| {w} | {c['best_static']} | {arm} | {a['paired_vs_off']:.3f} | "
+                                 f"{a['paired_vs_best_static']:.3f} | {'yes' if a['meets_bar'] else 'no'} | "
+                                 f"{'yes' if a['spread_no_wider_than_best_static'] else 'no'} | "
+                                 f"{'yes' if c['lossless'] else 'NO'} |")
+    mixed = s.get("mixed")
+    if mixed:
+        arms = list(mixed["goodput_median"])
+        lines += ["", f"## Mixed batch, B = {mixed['batch']} (every workload in one batch)", "",
+                  "| | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms),
+                  "| goodput (tok/s) | " + " | ".join(f"{mixed['goodput_median'][a]:.1f}" for a in arms) + " |",
+                  "| spread | " + " | ".join(f"{100 * mixed['spread'][a]:.0f}%" for a in arms) + " |", "",
+                  f"`{ADAPTIVE}` paired: {mixed['paired_vs_off']:.3f}x SD off, {mixed['paired_vs_best_static']:.3f}x "
+                  f"the best static k (bar: >= {MIXED_VS_OFF} and >= 1.0: {'met' if mixed['meets_bar'] else 'not met'}). "
+                  f"Identical tokens in every arm: {'yes' if mixed['lossless'] else 'NO'}."]
+    calib = s["calibration"]
+    if calib:
+        lines += ["", "## Calibration: predicted vs measured acceptance per match-length bucket", "",
+                  f"A cold planner serving a workload's requests one after another; the {cfg['calibration_window']} "
+                  "requests right after the checkpoint's count. First draft: the policy's (calibrated) chance that "
+                  "the first draft is accepted vs the share accepted; drafts: expected vs accepted drafts per drafted "
+                  "request-step.", "",
+                  "| workload | after requests | bucket | drafted steps | first draft predicted | measured | "
+                  "drafts predicted | measured |", "|---|---|---|---|---|---|---|---|"]
+        for w, per_w in calib.items():
+            for c, per_c in per_w.items():
+                for b, cell in sorted(per_c.items()):
+                    lines.append(f"| {w} | {c} | {b} | {cell['steps']} | {cell['predicted_first']:.2f} | "
+                                 f"{cell['first_accepted']:.2f} | {cell['predicted_accepted']:.2f} | "
+                                 f"{cell['accepted']:.2f} |")
+
+    panels = [p for p, on in (("cold", bool(cold)), ("mixed", bool(mixed)), ("calibration", bool(calib))) if on]
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 3.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "cold":
+            arms = list(next(iter(cold.values()))["tok_s_median"])
+            width = 0.8 / len(arms)
+            for j, arm in enumerate(arms):
+                ys, lo, hi = [], [], []
+                for c in cold.values():
+                    norm = c["tok_s_median"][c["best_static"]]
+                    runs = c["tok_s_runs"][arm]
+                    ys.append(c["tok_s_median"][arm] / norm)
+                    lo.append(ys[-1] - min(runs) / norm)
+                    hi.append(max(runs) / norm - ys[-1])
+                ax.bar([i + j * width for i in range(len(cold))], ys, width, yerr=[lo, hi], label=arm, capsize=2)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cold))], list(cold))
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_ylabel("tok/s / best static k (median; bars: min-max)")
+            ax.set_title("cold start, B = 1, one request per process")
+            ax.legend(fontsize=6)
+        elif panel == "mixed":
+            arms = list(mixed["goodput_median"])
+            off = mixed["goodput_median"][OFF]
+            ys = [mixed["goodput_median"][a] / off for a in arms]
+            err = [[y - min(mixed["goodput_runs"][a]) / off for a, y in zip(arms, ys)],
+                   [max(mixed["goodput_runs"][a]) / off - y for a, y in zip(arms, ys)]]
+            ax.bar(arms, ys, yerr=err, capsize=2)
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_ylabel("goodput / SD off")
+            ax.set_title(f"mixed batch, B = {mixed['batch']}")
+            ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+        else:
+            markers = dict(zip(map(str, cfg["calibration_after"]), "os^D"))
+            for w, per_w in calib.items():
+                for c, per_c in per_w.items():
+                    xs = [cell["predicted_first"] for cell in per_c.values()]
+                    ys = [cell["first_accepted"] for cell in per_c.values()]
+                    ax.scatter(xs, ys, marker=markers.get(c, "x"), label=f"{w}, after {c}", alpha=0.7)
+            ax.plot([0, 1], [0, 1], "k:", lw=0.8)
+            ax.set_xlabel("predicted first-draft acceptance")
+            ax.set_ylabel("measured")
+            ax.set_title("calibration per match bucket")
+            ax.legend(fontsize=5)
+    fig.tight_layout()
+    png = out_dir / "coldstart.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    lines += ["", f"![cold start]({png.name})", ""]
+    path = out_dir / "coldstart.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_coldstart(out_dir: Path, *, model: str | None = None, profile: str | None = None, workloads=WORKLOADS,
+                  prompts: int = 3, runs: int = 5, static_ks=STATIC_KS, max_tokens: int = 128,
+                  train_prompts: int = 8, mixed_batch: int = 16, calibration_after=CALIBRATION_AFTER,
+                  calibration_window: int = 5, proposer: str = "ngram", progress: bool = True,
+                  command: str = "specplan bench coldstart") -> Path:
+    """Every part (``mixed_batch`` 0 or an empty ``calibration_after`` leaves one out); writes
+    coldstart.json, coldstart.md and coldstart.png into ``out_dir`` and returns the Markdown's path."""
+    from rich.progress import Progress
+
+    from specplan.adaptive import load_or_make_profile
+    from specplan.engine import load_model
+    from specplan.profiler.machine import describe, load_average, machine_info
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(model)
+    prof = load_or_make_profile(loaded, profile)
+    profile_path = out_dir / "profile.json"
+    prof.save(profile_path)  # every child steers by this very profile
+    load_before = (load_average() or [None])[0]
+    t0 = time.time()
+    with Progress(disable=not progress) as bar:
+        cold = cold_start_rows(loaded, profile_path, workloads=workloads, prompts=prompts, runs=runs,
+                               static_ks=static_ks, max_tokens=max_tokens, train_prompts=train_prompts, model=model,
+                               proposer=proposer, out_dir=out_dir, bar=bar) if prompts and runs else []
+        mixed = mixed_rows(loaded, prof, batch=mixed_batch, runs=runs, static_ks=static_ks, max_tokens=max_tokens,
+                           workloads=workloads, proposer=proposer, bar=bar) if mixed_batch else []
+        calibration = calibration_rows(loaded, prof, workloads=workloads, after=calibration_after,
+                                       window=calibration_window, max_tokens=max_tokens, proposer=proposer,
+                                       bar=bar) if calibration_after else []
+    result = {
+        "command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
+        "machine": describe(machine_info()), "load_avg_1m_at_start": load_before,
+        "config": {"workloads": list(workloads), "prompts": prompts, "runs": runs, "static_ks": list(static_ks),
+                   "max_tokens": max_tokens, "train_prompts": train_prompts, "mixed_batch": mixed_batch,
+                   "calibration_after": list(calibration_after), "calibration_window": calibration_window,
+                   "proposer": proposer, "model": loaded.name},
+        "summary": summarize(cold, mixed, calibration, after=calibration_after, window=calibration_window),
+        "rows": {"cold_start": cold, "mixed": mixed, "calibration": calibration},
+    }
+    if load_before is not None and load_before > 0.5:
+        result["busy_machine_note"] = (f"The machine was busy when this run started (1-minute load {load_before:.1f}): "
+                                       "its throughputs are not a measurement to publish.")
+    (out_dir / "coldstart.json").write_text(json.dumps(result, indent=1, default=str))
+    return render(result, out_dir)
+
+
+__all__ = ["ChildJob", "CalibrationRecorder", "cold_start_rows", "mixed_rows", "calibration_rows", "summarize",
+           "render", "run_coldstart", "run_job", "spawn"]
+
+
+def _child_main() -> None:
+    job = ChildJob(**json.loads(sys.stdin.read()))
+    print(json.dumps(run_job(job)))
+
+
+if __name__ == "__main__":
+    _child_main()

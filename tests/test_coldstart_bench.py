@@ -1,0 +1,109 @@
+"""specplan/bench/coldstart.py: cold-start cells, the mixed batch, calibration; the summary by hand."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specplan.bench.coldstart import (ADAPTIVE, OFF, WARM, CalibrationRecorder, ChildJob, render, spawn,
+                                      summarize)
+from specplan.engine.decider import RequestRecord, RequestView, StepRecord, StepView
+from specplan.planner import Planner
+from specplan.policies import make_policy
+
+from conftest import RidgeLatency, flat_profile
+
+
+def cold_rows(tok_s: dict[str, list[float]], digest=lambda arm, prompt: f"d{prompt}") -> list[dict]:
+    """Rows of one workload: per arm and run, two prompts of 10 tokens each at the given tok/s."""
+    rows = []
+    for arm, per_run in tok_s.items():
+        for run, speed in enumerate(per_run):
+            for prompt in range(2):
+                rows.append({"workload": "w", "arm": arm, "run": run, "prompt": prompt, "tokens": 10,
+                             "seconds": 10 / speed, "digest": digest(arm, prompt), "mean_k": 1.0,
+                             "k_zero_share": 0.0})
+    return rows
+
+
+def test_cold_start_summary_by_hand():
+    rows = cold_rows({OFF: [10, 12, 11], "static:2": [13, 12, 14], ADAPTIVE: [13, 13, 12], WARM: [14, 14, 14]})
+    s = summarize(rows, [], [])["cold_start"]["w"]
+    assert s["best_static"] == "static:2" and s["lossless"]
+    assert s["tok_s_median"][ADAPTIVE] == pytest.approx(13.0)
+    assert s["spread"]["static:2"] == pytest.approx(2 / 13)
+    # evaluate.py paired_ratios' worked example: vs off 1.09 (median of 13/10, 13/12, 12/11), vs best 1.0
+    assert s[ADAPTIVE]["paired_vs_off"] == pytest.approx(12 / 11)
+    assert s[ADAPTIVE]["paired_vs_best_static"] == pytest.approx(1.0)
+    assert s[ADAPTIVE]["meets_bar"] and s[WARM]["meets_bar"]
+    assert s[WARM]["spread_no_wider_than_best_static"]  # 0 vs 2/13
+    assert s[ADAPTIVE]["spread_no_wider_than_best_static"]  # 1/13 vs 2/13
+    changed = summarize(cold_rows({OFF: [10], ADAPTIVE: [11]}, digest=lambda arm, p: f"{arm}{p}"), [], [])
+    assert not changed["cold_start"]["w"]["lossless"]
+
+
+def test_mixed_and_calibration_summary_by_hand():
+    mixed = [{"arm": arm, "run": run, "batch": 16, "goodput": g, "digest": "x"}
+             for arm, gs in ((OFF, [100, 100]), ("static:2", [90, 95]), (ADAPTIVE, [99, 101])) for run, g in enumerate(gs)]
+    m = summarize([], mixed, [])["mixed"]
+    assert m["paired_vs_off"] == pytest.approx(1.0) and m["lossless"]
+    assert m["meets_bar"]  # >= 0.98 x off and >= the best static k (off here)
+    calibration = [{"workload": "w", "requests_seen": seen, "bucket": "1", "predicted_first": p, "first_accepted": a,
+                    "predicted_accepted": p, "accepted": a, "k": 1}
+                   for seen, p, a in ((0, 0.2, 1.0), (1, 0.4, 0.0), (10, 0.5, 1.0), (50, 0.9, 1.0))]
+    c = summarize([], [], calibration, after=(0, 10), window=5)["calibration"]["w"]
+    assert c["0"]["1"] == {"steps": 2, "predicted_first": pytest.approx(0.3), "first_accepted": 0.5,
+                           "predicted_accepted": pytest.approx(0.3), "accepted": 0.5}
+    assert c["10"]["1"]["steps"] == 1  # request 50 is in no window
+
+
+def test_report_renders(tmp_path):
+    rows = cold_rows({OFF: [10, 12], "static:2": [13, 12], ADAPTIVE: [13, 13], WARM: [14, 14]})
+    mixed = [{"arm": arm, "run": 0, "batch": 16, "goodput": g, "digest": "x"} for arm, g in ((OFF, 100), (ADAPTIVE, 99))]
+    calibration = [{"workload": "w", "requests_seen": 0, "bucket": "4-7", "predicted_first": 0.7, "first_accepted": 1.0,
+                    "predicted_accepted": 2.0, "accepted": 3, "k": 4}]
+    result = {"command": "test", "date": "today", "machine": "Machine: test.",
+              "config": {"proposer": "ngram", "max_tokens": 16, "runs": 2, "prompts": 2, "train_prompts": 2,
+                         "calibration_after": [0], "calibration_window": 5},
+              "summary": summarize(rows, mixed, calibration, after=(0,), window=5)}
+    text = render(result, tmp_path).read_text()
+    assert "| w | static:2 | adaptive |" in text and "Mixed batch, B = 16" in text and "| w | 0 | 4-7 | 1 |" in text
+    assert (tmp_path / "coldstart.png").stat().st_size > 1000
+
+
+def test_calibration_recorder_pairs_predictions_with_outcomes():
+    planner = Planner(make_policy("static:3"), RidgeLatency(a=0.03), proposer="ngram")
+    recorder = CalibrationRecorder(planner)
+    rng = random.Random(0)
+    for step in range(6):
+        recorder.requests_seen = step // 3
+        view = StepView((RequestView(0, "r0", 500, 10, 8, True, 8, 5 if step % 2 else 1),), 0, 0, 500, "ngram")
+        ks = recorder.decide(view)
+        gains = planner.last_state.requests[0].acceptance.gains
+        acc = rng.randint(0, ks[0])
+        recorder.observe(StepRecord((RequestRecord(0, "r0", ks[0], ks[0], acc, acc + 1, 8, view.requests[0].match_length),),
+                                    1, 1 + ks[0], 0, 500, 0.0, 0.03, 0.0, 0.031))
+        row = recorder.rows[-1]
+        assert row["predicted_accepted"] == pytest.approx(sum(gains[:3])) and row["accepted"] == acc
+        assert row["bucket"] == ("4-7" if step % 2 else "1") and row["requests_seen"] == step // 3
+    assert len(recorder.rows) == 6
+
+
+def test_a_child_process_runs_one_cold_request(tmp_path):
+    """One request in a fresh process, on the embedded model: what every cold-start cell is made of."""
+    from specplan.engine import load_model
+
+    loaded = load_model(None)
+    ids = loaded.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):")
+    profile = tmp_path / "p.json"
+    flat_profile(loaded).save(profile)
+    learned = tmp_path / "b.json"
+    adaptive = spawn(ChildJob(ADAPTIVE, [ids, ids], 6, str(profile), save_beliefs=str(learned)))
+    assert adaptive["tokens"] == [6, 6] and min(adaptive["seconds"]) > 0
+    assert learned.exists()  # what the cold-start cells' adaptive+beliefs arm starts from
+    warm = spawn(ChildJob(WARM, [ids], 6, str(profile), beliefs=str(learned)))
+    assert warm["digests"] == adaptive["digests"][:1]  # the same tokens, whatever the planner knew
+    with pytest.raises(RuntimeError, match="coldstart child"):
+        spawn(ChildJob(OFF, [ids], 6, str(tmp_path / "missing.json")))
+

@@ -1,0 +1,205 @@
+"""A steadier cold start: a prior that a few drafts move, exploration priced by how memory-bound
+the step is, step-time feedback that one noisy step does not swing, and mixed batches where each
+request gets its own k."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from specplan.engine.decider import RequestRecord, RequestView, StepRecord, StepView
+from specplan.planner import Planner, PolicyState, RequestState, StepPricing
+from specplan.planner.acceptance import AcceptanceConfig, AcceptanceEstimate, PooledAcceptance, RequestAcceptance, default_prior
+from specplan.planner.drift import DraftSlope, DraftSlopeConfig
+from specplan.planner.goodput import DraftCost, step_goodput
+from specplan.planner.timing import StepTimingLearner, TimingConfig
+from specplan.policies import GoodputPolicy, make_policy
+from specplan.policies.goodput import allocate
+from specplan.profiler.latency_model import StepShape
+from specplan.profiler.roofline import LinearRoofline
+
+from conftest import RidgeLatency
+
+
+# ------------------------------------------------------------------ priors that are distributions
+
+def accepted_run(config: AcceptanceConfig, steps: int, pool_evidence: int = 0) -> float:
+    """alpha_first of a request whose first ``steps`` drafts (after a 1-token match: prior 0.2)
+    were all accepted, in a pool that had seen ``pool_evidence`` request-steps at the prior."""
+    pool = PooledAcceptance(default_prior("ngram").for_match(1), config)
+    for i in range(pool_evidence):  # other requests behaving as the prior says
+        pool.observe(1, 1, 0, 8, (0.2, 0.2))
+    pool.refresh()
+    request = RequestAcceptance(pool)
+    for _ in range(steps):
+        request.observe(1, 1, 1, 8)
+        pool.refresh()
+    return request.estimate().alpha_first
+
+
+def test_a_few_accepted_drafts_move_a_cold_prior_quickly():
+    """The built-in prior is a wide distribution while nobody has checked it on this traffic: a
+    request's first few accepted drafts move it most of the way; once its pool has seen many
+    request-steps agreeing with the prior, the same drafts move it less."""
+    config = AcceptanceConfig()
+    assert accepted_run(config, 0) == pytest.approx(0.2)
+    assert accepted_run(config, 1) > 0.45 and accepted_run(config, 2) > 0.55 and accepted_run(config, 4) > 0.65
+    # A warm pool's prior weighs 6 outcomes: (6 * 0.2 + 4) / 10 = 0.52.
+    assert accepted_run(config, 4, pool_evidence=40) == pytest.approx(0.52, abs=0.01)
+    # At the warm strength from the start (the behaviour before), two drafts get to 0.46.
+    assert accepted_run(dataclasses.replace(config, cold_prior_strength=6.0), 2) < 0.5
+    with pytest.raises(ValueError, match="strengths"):
+        AcceptanceConfig(cold_prior_strength=0)
+
+
+# ------------------------------------------------------------------ exploration vs the roofline
+
+FLOPS_PER_TOKEN = 2.7e8  # ~ SmolLM2-135M, matmuls and LM head
+
+
+def roofline(ridge: float) -> LinearRoofline:
+    # 0.54 GB of weights read once per step: intensity ~ 0.5 FLOP/B per query token.
+    return LinearRoofline(ridge=ridge, flops_per_token=FLOPS_PER_TOKEN, bytes_per_step=5.4e8)
+
+
+def probe_state(n: int, ridge: float | None) -> PolicyState:
+    """n requests whose drafts the learned slope prices out of reach (so the choice is off), while
+    the optimistic exploration slope would let them draft."""
+    reqs = tuple(RequestState(i, f"r{i}", 8, 300, AcceptanceEstimate(0.7, (1.0,) * 8, 0.2), None, 0)
+                 for i in range(n))
+    latency = RidgeLatency(a=0.03 * n, b=0.0075, ridge_tokens=n)  # a draft: +25% of B = 1's step
+    pricing = StepPricing(latency=latency, draft_slope=1.0, explore_slope=0.2)
+    return PolicyState(requests=reqs, base=StepShape(n, n, 300 * n), max_k=8, proposer="ngram", workload="w",
+                       pricing=pricing, roofline=roofline(ridge) if ridge is not None else None)
+
+
+def test_exploration_is_cheap_when_memory_bound_and_nil_when_compute_bound():
+    policy = GoodputPolicy()
+    memory_bound = probe_state(1, ridge=10.0)  # intensity 0.5 of a ridge at 10
+    assert policy.explore_share(memory_bound) == 1.0
+    probe = policy.plan(memory_bound)
+    assert probe.total_drafts >= 1 and probe.goodput >= (1 - policy.explore_budget) * probe.off_goodput
+    compute_bound = probe_state(8, ridge=2.0)  # intensity 4: past the ridge
+    assert policy.explore_share(compute_bound) == 0.0
+    assert policy.plan(compute_bound).total_drafts == 0
+    assert policy.plan(dataclasses.replace(compute_bound, roofline=None)).total_drafts >= 1  # what it did before
+    near = probe_state(1, ridge=0.7)  # intensity 0.5 of 0.7: 71% of the ridge, the budget tapers
+    assert 0.0 < policy.explore_share(near) < 1.0
+    with pytest.raises(ValueError, match="explore_full_below"):
+        GoodputPolicy(explore_full_below=1.0)
+
+
+# ------------------------------------------------------------------ robust step-time feedback
+
+def fitted_slope(config: DraftSlopeConfig, seed: int) -> float:
+    """B = 1 steps on a machine whose drafts cost exactly what the model says (slope 1), with a
+    3x step (a GC pause, another process's burst) every 7th step."""
+    slope = DraftSlope(config)
+    rng = random.Random(seed)
+    for step in range(200):
+        spike = 3.0 if step % 7 == 3 else 1.0
+        noise = rng.uniform(0.98, 1.02)
+        if step % 4 == 0:
+            slope.observe_plain(1, 0.02, 0.02 * noise * spike)
+        else:
+            drafts = rng.randint(1, 6)
+            slope.observe_drafts(1, 0.02, 0.001 * drafts, (0.02 + 0.001 * drafts) * noise * spike)
+    return slope.slope(1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_noisy_step_does_not_swing_the_draft_price(seed):
+    filtered = fitted_slope(DraftSlopeConfig(), seed)
+    raw = fitted_slope(DraftSlopeConfig(outlier_width=100.0), seed)  # no clipping
+    assert filtered == pytest.approx(1.0, abs=0.25)
+    assert abs(raw - 1.0) > 2 * abs(filtered - 1.0)
+
+
+def test_a_lasting_change_of_level_passes_the_filter():
+    """A machine that turns 2x slower for good is followed almost as fast as without the filter
+    (which clips lone spikes only): three steps in, the new level is the median, and from then on
+    the fit lags the unfiltered one by a step or two."""
+
+    def level_after(config: DraftSlopeConfig, steps: int) -> float:
+        slope = DraftSlope(config)
+        for step in range(60 + steps):
+            level = 2.0 if step >= 60 else 1.0
+            if step % 3 == 0:
+                slope.observe_plain(1, 0.02, 0.02 * level)
+            else:
+                slope.observe_drafts(1, 0.02, 0.002, 0.022 * level)
+        r, _, _ = slope._solve(slope._buckets[1])
+        return r
+
+    raw = DraftSlopeConfig(outlier_width=100.0)
+    for steps in (10, 30, 60):
+        assert level_after(DraftSlopeConfig(), steps) == pytest.approx(level_after(raw, steps), rel=0.05)
+    assert level_after(DraftSlopeConfig(), 60) > 1.6  # moving to 2 at the fit's memory (~50 steps)
+
+
+def overhead_with_pauses(config: TimingConfig) -> float:
+    """An engine whose steps spend 1 ms outside forward + verify, plus a 50 ms pause every 7th."""
+    learner = StepTimingLearner(DraftCost(), config, fit_per_pass=False)
+    for step in range(200):
+        learner.observe(0.001 + (0.05 if step % 7 == 3 else 0.0), 4, 4)
+    return learner.overhead_s
+
+
+def test_a_pause_now_and_then_does_not_swing_the_overhead():
+    assert overhead_with_pauses(TimingConfig()) == pytest.approx(0.001, abs=3e-4)
+    assert overhead_with_pauses(TimingConfig(outlier_width=1e9)) > 0.005  # unfiltered: 7x what it is
+
+
+# ------------------------------------------------------------------ mixed batches
+
+def test_a_mixed_batch_gives_each_population_its_own_k():
+    """Eight requests of a workload whose drafts are accepted 90% of the time and eight of one at
+    10%, in one B = 16 step: the allocation drafts for the first and not the second, and beats
+    every k that is the same for all (the cost of the step's extra tokens is the whole batch's, so
+    each draft has to earn its share of it)."""
+    latency = RidgeLatency(a=0.05, b=0.001, ridge_tokens=16)  # every draft: +2% of the step
+    code = [AcceptanceEstimate(0.9, (1.0,) * 8, 0.85)] * 8
+    chat = [AcceptanceEstimate(0.1, (1.0,) * 8, 0.1)] * 8
+    estimates = [e for pair in zip(code, chat) for e in pair]  # interleaved in the batch
+    reqs = tuple(RequestState(i, f"r{i}", 8, 300, e, None, 3) for i, e in enumerate(estimates))
+    state = PolicyState(requests=reqs, base=StepShape(16, 16, 4800), max_k=8, proposer="ngram", workload="mixed",
+                        pricing=StepPricing(latency=latency))
+    plan = GoodputPolicy().plan(state)
+    ks_code, ks_chat = plan.ks[0::2], plan.ks[1::2]
+    assert min(ks_code) >= 3 and max(ks_chat) == 0
+    cost = state.cost_model()
+    uniform = max(step_goodput(estimates, [k] * 16, cost) for k in range(9))
+    assert plan.goodput > 1.05 * uniform
+    # The same allocation without the cheap population: fewer drafts in all, each one dearer.
+    alone = allocate(chat, [8] * 8, cost)
+    assert alone.total_drafts == 0
+
+
+def test_planner_in_a_mixed_batch_learns_each_workload_and_drafts_for_the_one_that_pays():
+    latency = RidgeLatency(a=0.05, b=0.001, ridge_tokens=16)
+    planner = Planner(make_policy("goodput"), latency, workload=lambda rid: rid.split("-")[0])
+    rng = random.Random(3)
+    ids = [f"{w}-{i}" for i, w in zip(range(16), itertools.cycle(("code", "chat")))]
+    truth = {"code": 0.9, "chat": 0.1}
+    view = StepView(tuple(RequestView(i, rid, 300, 10, 8, True, 8, 4) for i, rid in enumerate(ids)),
+                    0, 0, 4800, "ngram")
+    chosen = []
+    for step in range(80):
+        ks = planner.decide(view)
+        reqs = []
+        for i, (rid, k) in enumerate(zip(ids, ks)):
+            acc = 0
+            while acc < k and rng.random() < truth[rid.split("-")[0]]:
+                acc += 1
+            reqs.append(RequestRecord(i, rid, k, k, acc, acc + 1, natural_k=8, match_length=4))
+        forward = latency.predict(StepShape(16, 16 + sum(ks), 4800 + sum(ks)))
+        planner.observe(StepRecord(tuple(reqs), 16, 16 + sum(ks), 0, 4800 + sum(ks), 0.0, forward, 0.0, forward))
+        chosen.append(ks)
+    late = chosen[-20:]
+    code_k = [k for ks in late for k in ks[0::2]]
+    chat_k = [k for ks in late for k in ks[1::2]]
+    assert sum(code_k) / len(code_k) >= 2.5
+    assert sum(chat_k) / len(chat_k) <= 0.3
