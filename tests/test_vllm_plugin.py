@@ -163,6 +163,15 @@ def test_a_step_without_drafts_does_not_ask_the_planner():
     assert drafter.stats.by_batch[1][0] == 1 and drafter.stats.own_ms_per_call(1) > 0
 
 
+def test_fast_built_views_and_records_equal_the_engines():
+    from specplan.engine.decider import RequestRecord, RequestView
+    from specplan.integrations.vllm import _request_record, _request_view
+
+    assert _request_view(3, "", 100, 10, 4, True, 4, 7) == RequestView(3, "", 100, 10, 4, True, 4, 7)
+    record = _request_record(3, "", 4, 4, 2, 3, 8, 7)
+    assert record == RequestRecord(3, "", 4, 4, 2, 3, 8, 7) and record.accepted_per_position == (True, True, False, False)
+
+
 def test_options_from_the_environment_round_trip():
     opts = PluginOptions(policy="static:2", profile="/p.json", proposer="suffix", sla_itl_ms=50.0, max_k=4)
     assert PluginOptions.from_env(opts.to_env()) == opts
