@@ -303,7 +303,7 @@ def vllm_off(vllm_env, tiny_model_dir) -> list[list[int]]:
 
 
 def run_plugin(mp, model_dir: Path, stats: Path, k: int = 4, **env: str) -> tuple[list[list[int]], dict]:
-    for name in ("SPECPLAN_PROFILE", "SPECPLAN_MAX_K"):
+    for name in ("SPECPLAN_PROFILE", "SPECPLAN_MAX_K", "SPECPLAN_PROPOSER"):
         mp.delenv(name, raising=False)
     for name, value in env.items():
         mp.setenv(name, value)
@@ -314,18 +314,19 @@ def run_plugin(mp, model_dir: Path, stats: Path, k: int = 4, **env: str) -> tupl
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["static:3", "goodput"])
-def test_plugin_in_vllm_matches_vllm_off(policy, vllm_env, vllm_off, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("policy,proposer", [("static:3", "ngram"), ("goodput", "ngram"), ("static:3", "suffix")])
+def test_plugin_in_vllm_matches_vllm_off(policy, proposer, vllm_env, vllm_off, tiny_model_dir, tmp_path):
     from transformers import AutoConfig
 
-    env = {"SPECPLAN_POLICY": policy}
+    env = {"SPECPLAN_POLICY": policy, "SPECPLAN_PROPOSER": proposer}
     if policy == "goodput":
         env["SPECPLAN_PROFILE"] = str(synthetic_profile(AutoConfig.from_pretrained(tiny_model_dir),
                                                         tmp_path / "profile.json"))
     out, stats = run_plugin(vllm_env, tiny_model_dir, tmp_path / "stats.json", **env)
     assert out == vllm_off  # greedy: token for token what vLLM emits without speculation
     assert stats["calls"] > 0 and stats["drafts_proposed"] > 0 and stats["steps_observed"] > 0
-    print(f"{policy}: {stats}")
+    assert stats["own_s"] > 0 and sum(stats["phase_s"].values()) <= stats["own_s"]
+    print(f"{policy} {proposer}: {stats}")
 
 
 @needs_vllm
@@ -334,3 +335,26 @@ def test_plugin_with_k_zero_proposes_nothing(vllm_env, vllm_off, tiny_model_dir,
     out, stats = run_plugin(vllm_env, tiny_model_dir, tmp_path / "stats.json", SPECPLAN_POLICY="static:0")
     assert out == vllm_off
     assert stats["calls"] > 0 and stats["drafts_proposed"] == 0
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_profiler_forces_every_draft_length(vllm_env, tiny_model_dir):
+    """`specplan profile --engine vllm`'s measurement on a tiny grid: every (B, T) cell gets its
+    timed steps, vLLM ran exactly the forced widths, and the header names vLLM as the engine."""
+    import vllm
+    from transformers import AutoConfig
+
+    from specplan.engine.config import ModelConfig
+    from specplan.profiler.profile import model_config_hash
+    from specplan.profiler.vllm_timer import VllmGrid, measure_vllm_grid
+
+    grid = VllmGrid(batch_sizes=(1, 3), tokens_per_seq=(1, 3), contexts=(16,), passes=2)
+    hf = AutoConfig.from_pretrained(tiny_model_dir)
+    table, header = measure_vllm_grid(tiny_model_dir, grid, vocab_size=hf.vocab_size, kv_bytes_per_token=4096,
+                                      progress=False, extra_llm_args={"enforce_eager": True})
+    assert sorted(zip(table.batch_size, table.tokens_per_seq)) == [(1, 1), (1, 3), (3, 1), (3, 3)]
+    assert (table.num_tokens == table.batch_size * table.tokens_per_seq).all() and (table.seconds > 0).all()
+    assert all(len(s) >= grid.passes for s in table.all_seconds)
+    assert header["kernels"] == f"vllm-{vllm.__version__}-cpu"
+    assert header["model_config_hash"] == model_config_hash(ModelConfig.from_hf(hf))
