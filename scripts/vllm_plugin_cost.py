@@ -179,7 +179,9 @@ def run_vllm(args) -> None:
     options = PluginOptions(policy=args.policy, profile=args.profile, proposer=args.proposer,
                             stats_path=str(stats_path))
     os.environ.update(options.to_env())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # else vLLM-CPU wants 92% of the machine's memory
     llm = LLM(model=str(model), dtype="float32", max_model_len=2048, max_num_seqs=args.batch, seed=0,
+              enforce_eager=args.eager,  # the plugin's cost does not depend on how vLLM runs the model
               speculative_config={"method": "custom_class", "model": "specplan.integrations.vllm.SpecplanProposer",
                                   "num_speculative_tokens": 8})
     prompts = _prompts(llm.get_tokenizer(), args.batch)
@@ -215,6 +217,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a Profile JSON (default offline: a vLLM-like synthetic latency)")
     ap.add_argument("--model", default=None, help="with --vllm: HF dir or .gguf (default SmolLM2-135M-Instruct)")
     ap.add_argument("--vllm", action="store_true", help="measure inside real vLLM")
+    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --vllm: vLLM without torch.compile (minutes less to start; the plugin's cost is the same)")
     ap.add_argument("--cprofile", action="store_true", help="offline: print the top functions by cumulative time")
     ap.add_argument("--planner-breakdown", action="store_true",
                     help="offline: the planner's functions' inclusive ms per call (wrapped timers, ~0.3 us each)")

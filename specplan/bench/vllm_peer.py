@@ -208,11 +208,14 @@ def render(runs: list[dict], out_dir: Path, command: str) -> Path:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     import vllm
 
-    meta = {"command": command, "date": now, "machine": machine_info(), "vllm": vllm.__version__}
+    meta = {"command": command, "date": now, "machine": machine_info(), "vllm": vllm.__version__,
+            "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}}
     (out_dir / "vllm-peer.json").write_text(json.dumps({**meta, "summary": rows, "runs": runs}, indent=1))
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     lines = [f"# vLLM as a peer: speculation off, vLLM's static n-gram k, specplan's plugin, specplan's engine", "",
-             f"Made by `{command}` on {now} with vLLM {vllm.__version__}. {describe(meta['machine'])}", "",
+             f"Made by `{command}` on {now} with vLLM {vllm.__version__} "
+             f"({', '.join(f'{k}={v}' for k, v in meta['vllm_env'].items()) or 'vLLM-CPU defaults'}). "
+             f"{describe(meta['machine'])}", "",
              "Tokens/s per arm (median of repeats); in brackets the paired ratio to vLLM off. "
              "`same` = every output token for token equal to vLLM off (greedy).", "",
              "| workload | B | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
@@ -263,7 +266,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("reports/vllm-peer"))
+    ap.add_argument("--vllm-reserved-cpus", type=int, default=None,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU: vLLM-CPU keeps one core per worker for its scheduler "
+                         "by default (on 2 cores its model runs on 1); 0 gives the model every core")
     args = ap.parse_args(argv)
+    if args.vllm_reserved_cpus is not None:
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.vllm_reserved_cpus)
 
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]
