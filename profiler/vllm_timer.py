@@ -48,6 +48,7 @@ class ForcedDrafts:
     k from ``SPECPLAN_VLLM_TIMING_KS`` (comma-separated), two steps per value, round-robin."""
 
     def __init__(self, vllm_config: Any):
+        import torch
         import vllm
 
         from specplan.engine.config import ModelConfig
@@ -66,6 +67,7 @@ class ForcedDrafts:
         self.out.write(json.dumps({"header": True, "kernels": vllm_kernels(vllm.__version__, device),
                                    "model_config_hash": model_config_hash(ModelConfig.from_hf(model.hf_config)),
                                    "dtype": str(model.dtype).removeprefix("torch."), "device": device,
+                                   "threads": torch.get_num_threads(),  # vLLM-CPU's worker's, not the driver's
                                    "max_k": max(self.ks)}) + "\n")
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_: Any):
@@ -255,7 +257,7 @@ def run_vllm_profile(model: str | None = None, quick: bool = True, out: Path | N
     described = LoadedModel(config=config, weights={}, tokenizer=None, path=model_dir, name=name)
     fp = fingerprint(config, torch.float32, header["device"]).model_copy(
         update={"kernels": header["kernels"], "model_config_hash": header["model_config_hash"],
-                "dtype": header["dtype"]})
+                "dtype": header["dtype"], "threads": header.get("threads", torch.get_num_threads())})
     profile = build_profile(described, ceilings, grid, None, _measure_cheap_proposers(), torch.float32,
                             header["device"], fingerprint_override=fp)
     out = out or default_profile_path(profile.fingerprint)
