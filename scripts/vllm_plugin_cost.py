@@ -161,7 +161,12 @@ def report(stats: dict, batch: int) -> None:
     calls = stats["calls"]
     phases = ", ".join(f"{k} {1e3 * v / calls:.3f}" for k, v in stats["phase_s"].items())
     cpu = f", CPU {1e3 * stats['own_cpu_s'] / calls:.3f} ms" if "own_cpu_s" in stats else ""
-    print(f"plugin cost at B={batch}: {per_call:.3f} ms per call ({cell[0] if cell else 0} calls at B={batch}); "
+    at_b = [(own, cpu) for rows, own, cpu in stats.get("recent", []) if rows == batch]
+    if at_b:
+        print(f"plugin cost at B={batch}, median of the latest {len(at_b)} calls: "
+              f"{1e3 * statistics.median(o for o, _ in at_b):.3f} ms wall, "
+              f"{1e3 * statistics.median(c for _, c in at_b):.3f} ms CPU")
+    print(f"mean at B={batch}: {per_call:.3f} ms per call ({cell[0] if cell else 0} calls at B={batch}); "
           f"all {calls} calls: mean {1e3 * stats['own_s'] / calls:.3f} ms{cpu}, max {1e3 * stats['own_s_max']:.2f} ms; "
           f"per call by phase (ms): {phases}; drafts proposed {stats['drafts_proposed']}, "
           f"accepted {stats['drafts_accepted']}, planner asked in {stats['decisions']} calls")

@@ -65,7 +65,8 @@ def vllm_arms(static_ks: list[int], policies: list[str], profile: str | None, pr
 class LoadedArm:
     """A vLLM instance of one arm (engine core in its own process, started with the arm's env)."""
 
-    def __init__(self, arm: VllmArm, model_dir: Path, max_batch: int, max_model_len: int, seed: int):
+    def __init__(self, arm: VllmArm, model_dir: Path, max_batch: int, max_model_len: int, seed: int,
+                 enforce_eager: bool = False):
         from vllm import LLM
 
         saved = {k: v for k, v in os.environ.items() if k.startswith("SPECPLAN_")}
@@ -74,7 +75,8 @@ class LoadedArm:
         os.environ.update(arm.env)
         try:
             self.llm = LLM(model=str(model_dir), dtype="float32", max_model_len=max_model_len, max_num_seqs=max_batch,
-                           seed=seed, speculative_config=arm.speculative_config, skip_tokenizer_init=True)
+                           seed=seed, speculative_config=arm.speculative_config, skip_tokenizer_init=True,
+                           enforce_eager=enforce_eager)
         finally:
             for k in arm.env:
                 os.environ.pop(k, None)
@@ -131,7 +133,7 @@ def engine_arms(model: str | None, policies: list[str], max_batch: int, profile:
 def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int], static_ks: list[int],
              policies: list[str], profile: str | None, engine_policies: list[str] | None,
              engine_profile: str | None, max_tokens: int, repeats: int, min_requests: int, seed: int = 0,
-             progress: bool = True) -> list[dict]:
+             enforce_eager: bool = False, progress: bool = True) -> list[dict]:
     """Every arm on every cell, ``repeats`` times interleaved; one dict per (cell, arm, repeat)."""
     from rich.progress import Progress
     from transformers import AutoTokenizer
@@ -144,7 +146,7 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
              for w in workloads}
     longest = max(len(p) for pool in pools.values() for p in pool)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    arms: list = [LoadedArm(a, model_dir, max(batch_sizes), longest + max_tokens + 64, seed)
+    arms: list = [LoadedArm(a, model_dir, max(batch_sizes), longest + max_tokens + 64, seed, enforce_eager)
                   for a in vllm_arms(static_ks, policies, profile)]
     if engine_policies is not None:
         arms += engine_arms(model, engine_policies, max(batch_sizes), engine_profile)
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("reports/vllm-peer"))
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="vLLM without torch.compile (starts in seconds, not minutes; not how vLLM serves by default)")
     ap.add_argument("--vllm-reserved-cpus", type=int, default=None,
                     help="VLLM_CPU_NUM_OF_RESERVED_CPU: vLLM-CPU keeps one core per worker for its scheduler "
                          "by default (on 2 cores its model runs on 1); 0 gives the model every core")
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
                     static_ks=ints(args.static_ks), policies=[p for p in args.policies.split(",") if p],
                     profile=args.profile, engine_policies=engine_policies, engine_profile=args.engine_profile,
                     max_tokens=args.max_tokens, repeats=args.repeats, min_requests=args.min_requests,
-                    progress=sys.stderr.isatty())
+                    enforce_eager=args.enforce_eager, progress=sys.stderr.isatty())
     path = render(runs, args.out, "python -m specplan.bench.vllm_peer " + shlex.join(argv or sys.argv[1:]))
     print(f"wrote {path} and {path.with_suffix('.json')}")
 

@@ -235,6 +235,10 @@ class DrafterStats:
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     # Decoding rows -> [calls, own seconds]: the plugin's cost per step at each batch size.
     by_batch: dict[int, list[float]] = field(default_factory=dict)
+    # The latest calls as [decoding rows, own seconds, own CPU seconds] (medians; the first call of
+    # a burst also indexes every new prompt, a cost the mean would spread over the steady steps).
+    recent: list[list[float]] = field(default_factory=list)
+    recent_limit: int = 512
 
     def own_ms_per_call(self, batch: int) -> float | None:
         calls, seconds = self.by_batch.get(batch, (0, 0.0))
@@ -300,7 +304,11 @@ class PlanningDrafter:
         own = now() - start
         self._prev_start, self._prev_own_s = clock_start, own
         st.own_s += own
-        st.own_cpu_s += time.thread_time() - cpu_start
+        cpu = time.thread_time() - cpu_start
+        st.own_cpu_s += cpu
+        if len(st.recent) >= st.recent_limit:
+            del st.recent[:st.recent_limit // 2]
+        st.recent.append([len(batch.decodes), own, cpu])
         st.own_s_max = max(st.own_s_max, own)
         cell[0] += 1
         cell[1] += own
