@@ -151,6 +151,9 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
     if engine_policies is not None:
         arms += engine_arms(model, engine_policies, max(batch_sizes), engine_profile)
     names = [a.arm.name if isinstance(a, LoadedArm) else a.name for a in arms]
+    first = next(iter(pools.values()))[:1]
+    for a in arms:  # unrecorded: lazy compilation and first-touch costs land here, not in a cell
+        a.run(first, 1, 4)
     runs = []
     total = len(workloads) * len(batch_sizes) * repeats * len(arms)
     with Progress(disable=not progress) as bar:
