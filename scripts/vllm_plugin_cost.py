@@ -169,7 +169,8 @@ def report(stats: dict, batch: int) -> None:
     print(f"mean at B={batch}: {per_call:.3f} ms per call ({cell[0] if cell else 0} calls at B={batch}); "
           f"all {calls} calls: mean {1e3 * stats['own_s'] / calls:.3f} ms{cpu}, max {1e3 * stats['own_s_max']:.2f} ms; "
           f"per call by phase (ms): {phases}; drafts proposed {stats['drafts_proposed']}, "
-          f"accepted {stats['drafts_accepted']}, planner asked in {stats['decisions']} calls")
+          f"accepted {stats['drafts_accepted']}, planner asked in {stats['decisions']} calls; "
+          f"rows matched the slow way {stats.get('rows_moved')} of {stats['request_steps']}")
 
 
 def run_vllm(args) -> None:

@@ -224,6 +224,7 @@ class DrafterStats:
 
     calls: int = 0
     request_steps: int = 0  # decoding rows over all calls
+    rows_moved: int = 0  # of which not in last call's row (moved by vLLM, or new): matched the slow way
     drafts_proposed: int = 0
     drafts_accepted: int = 0  # of drafts proposed for steps that have run
     steps_observed: int = 0  # step records given to the planner
@@ -283,6 +284,7 @@ class PlanningDrafter:
         batch = self.rows.read(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         for t in batch.forgotten:
             self.lookup.forget(t)
+        self.stats.rows_moved += batch.num_moved
         t1 = now()
         phase["read"] += t1 - start
         # A step is comparable when a request ran through it: the time since the previous call

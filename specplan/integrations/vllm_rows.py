@@ -90,6 +90,7 @@ class BatchRows:
     num_rows: int  # all rows, those still prefilling included
     prefill_rows: list[int] = field(default_factory=list)  # rows that committed nothing (prompt chunk, discarded)
     forgotten: list[TrackedRequest] = field(default_factory=list)  # dropped this call (finished long ago)
+    num_moved: int = 0  # decoding rows not holding last call's request (moved or new): the slow path
 
 
 class RowTracker:
@@ -151,7 +152,7 @@ class RowTracker:
             # Finished requests just stop appearing; one vLLM did not schedule for a while may return.
             forgotten = [t for t in self._requests if t.last_seen < horizon]
             self._requests = [t for t in self._requests if t.last_seen >= horizon]
-        return BatchRows(decodes, num_rows, prefill, forgotten)
+        return BatchRows(decodes, num_rows, prefill, forgotten, len(moved))
 
     @staticmethod
     def _holds(t: TrackedRequest, prev_len: int, head: list[int], tail: list[int]) -> bool:
