@@ -26,7 +26,7 @@ from .cost_model import decode_step_cost, layer_costs, step_costs, weight_bytes
 from .step_timer import timing_engine
 from .fit import fit_latency_model, heldout_error, mape
 from .latency_model import StepShape
-from .profile import (CeilingsModel, CostConstants, DraftCost, FitError, Profile, fingerprint)
+from .profile import CeilingsModel, CostConstants, DraftCost, Fingerprint, FitError, Profile, fingerprint
 from .step_timer import StepTimer
 
 
@@ -153,8 +153,12 @@ def _fit_draft_rounds(drafts: pd.DataFrame) -> DraftCost:
     return DraftCost(per_pass_s=max(float(intercept), 0.0), per_token_s=max(float(slope), 0.0))
 
 
-def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, drafts: pd.DataFrame,
-                  draft_costs: dict[str, DraftCost], dtype: torch.dtype, device: str) -> Profile:
+def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, drafts: pd.DataFrame | None,
+                  draft_costs: dict[str, DraftCost], dtype: torch.dtype, device: str,
+                  fingerprint_override: Fingerprint | None = None) -> Profile:
+    """The profile of a measured grid. ``drafts``: the layer-skip draft's rounds (None: another
+    engine's grid, profiler/vllm_timer.py); ``fingerprint_override``: what was measured, when it
+    is not specplan's engine here."""
     cfg = loaded.config
     shapes = [StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)) for r in grid.itertuples()]
     secs = grid["seconds"].tolist()
@@ -165,9 +169,10 @@ def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, d
     one = layer_costs(cfg, [1], [1])
     flops_per_token = sum(c.flops for k, c in one.items() if k != "attention") * cfg.num_layers
     costs = dict(draft_costs)
-    costs["layer-skip"] = _fit_draft_rounds(drafts)
+    if drafts is not None:
+        costs["layer-skip"] = _fit_draft_rounds(drafts)
     return Profile(
-        fingerprint=fingerprint(cfg, dtype, device),
+        fingerprint=fingerprint_override or fingerprint(cfg, dtype, device),
         ceilings=CeilingsModel(peak_flops=ceilings.peak_flops, bandwidth=ceilings.bandwidth, ridge=ceilings.ridge),
         cost=CostConstants(
             weight_bytes=weight_bytes(cfg), flops_per_token=flops_per_token,

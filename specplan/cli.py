@@ -146,9 +146,13 @@ def generate(
         typer.secho(line + "]", err=True, fg=typer.colors.BRIGHT_BLACK)
 
 
-@app.command()
+ENGINES = ("specplan", "vllm")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @reports_errors
 def serve(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
     proposer: Annotated[Optional[str], typer.Option(help="Speculate with: ngram | suffix | layer-skip | draft (default: no speculation).")] = None,
     spec_k: Annotated[int, typer.Option(help="Draft tokens per request per step (fixed-k decider, with --proposer).")] = 4,
@@ -170,8 +174,20 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     quantize: Quantize = "none",
     beliefs: Beliefs = True,
+    engine: Annotated[str, typer.Option(help="specplan (the built-in engine) or vllm (vLLM's OpenAI server with specplan's plugin; options specplan does not know go to `vllm serve`).")] = "specplan",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    check.choice(engine, ENGINES, "--engine")
+    if engine == "vllm":
+        if quantize != "none":
+            fail("--quantize is for the built-in engine; pass vLLM its own --quantization after --engine vllm")
+        _serve_vllm(ctx.args, model=model, proposer=proposer, spec_k=spec_k, max_k=max_k, host=host, port=port,
+                    served_model_name=served_model_name, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, adaptive=adaptive,
+                    policy=policy, profile=profile, sla_itl_ms=sla_itl_ms)
+        return
+    if ctx.args:
+        fail(f"unknown option(s) {' '.join(ctx.args)}; see `specplan serve --help` (options for vLLM go with --engine vllm)")
     _check_speculation(proposer, spec_k, max_k, draft_model, draft_layers, model)
     _check_adaptive(adaptive, policy, profile, sla_itl_ms)
     for value, option in ((max_num_seqs, "--max-num-seqs"), (max_num_batched_tokens, "--max-num-batched-tokens"),
@@ -214,6 +230,68 @@ def serve(
             saver.save()
 
 
+def _serve_vllm(extra: list[str], *, model: str | None, proposer: str | None, spec_k: int, max_k: int | None,
+                host: str, port: int, served_model_name: str | None, max_num_seqs: int, max_num_batched_tokens: int,
+                max_model_len: int, adaptive: bool, policy: str | None, profile: str | None,
+                sla_itl_ms: float | None) -> None:
+    """`serve --engine vllm`: check, find the vLLM profile, then become vLLM's server."""
+    from specplan.integrations.vllm_serve import (VllmServe, check_extra_args, checked_vllm_version,
+                                                  find_vllm_profile, vllm_device)
+
+    if proposer is not None:
+        check.choice(proposer, ("ngram", "suffix"), "--proposer (with --engine vllm)")
+    if proposer == "suffix" and not adaptive:
+        fail("--proposer suffix with --engine vllm runs through specplan's plugin; add --adaptive (e.g. --policy static:4)")
+    check.at_least(spec_k, 1, "--spec-k")
+    check.at_least(max_k, 1, "--max-k")
+    _check_adaptive(adaptive, policy, profile, sla_itl_ms)
+    check.listen_address(host, port)
+    check.model_path(model)
+    check_extra_args(extra)
+    version = checked_vllm_version()
+    from specplan.integrations.vllm import PluginOptions
+    from specplan.integrations.vllm_serve import model_dir
+    from specplan.policies import make_policy
+    from specplan.profiler.vllm_timer import vllm_kernels
+
+    directory = model_dir(model)
+    options = None
+    if adaptive:
+        rule = make_policy(policy or "goodput")
+        if profile is None and ("latency" in rule.requires or "roofline" in rule.requires):
+            kernels = vllm_kernels(version, vllm_device())
+            name = _model_name(model)
+            found = find_vllm_profile(name, kernels)
+            if found is None:
+                from specplan.profiler.run import profile_cache_dir
+                from specplan.profiler.vllm_timer import run_vllm_profile
+
+                typer.secho(f"[no vLLM profile of {name} on {kernels} yet: measuring a quick one (a few minutes; "
+                            f"cached for later runs)]", err=True, fg=typer.colors.BRIGHT_BLACK)
+                _, found, _ = run_vllm_profile(model, quick=True, report_dir=profile_cache_dir(),
+                                               progress=sys.stderr.isatty())
+            profile = str(found)
+            typer.secho(f"[using vLLM profile {profile}]", err=True, fg=typer.colors.BRIGHT_BLACK)
+        options = PluginOptions(policy=policy or "goodput", profile=profile, proposer=proposer or "ngram",
+                                sla_itl_ms=sla_itl_ms, max_k=max_k)
+    k = max_k if max_k is not None else (8 if adaptive else spec_k)
+    launch = VllmServe(model=directory, host=host, port=port, served_model_name=served_model_name or _model_name(model),
+                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                       max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=k, plugin=options,
+                       fixed_ngram=proposer is not None and not adaptive, extra_args=tuple(extra))
+    how = (f"specplan plans {options.proposer} speculation ({options.policy}, K={k})" if options is not None
+           else f"vLLM's n-gram k={k}" if launch.fixed_ngram else "no speculation")
+    typer.secho(f"[vLLM {version}: {directory}; {how}; http://{host}:{port}/v1]", err=True,
+                fg=typer.colors.BRIGHT_BLACK)
+    launch.exec()
+
+
+def _model_name(model: str | None) -> str:
+    from specplan.engine.model.loader import hf_model_dir
+
+    return hf_model_dir(model)[1]
+
+
 @app.command("profile")
 @reports_errors
 def profile_cmd(
@@ -224,11 +302,13 @@ def profile_cmd(
     draft_layers: Annotated[int, typer.Option(help="Layer-skip draft depth whose cost is measured.")] = 8,
     quantize: Quantize = "none",
     reset_beliefs: Annotated[bool, typer.Option("--reset-beliefs", help="Forget what the planner learned for this model and machine (its saved beliefs) and exit; measures nothing.")] = False,
+    engine: Annotated[str, typer.Option(help="specplan (the built-in engine) or vllm (vLLM's own steps, forced through specplan's timing drafter; run from vLLM's environment).")] = "specplan",
 ) -> None:
     """Measure this machine and model: roofline ceilings, step-time grid, drafting costs, latency fit."""
     import shlex
     import sys
 
+    check.choice(engine, ENGINES, "--engine")
     check.model_path(model)
     if reset_beliefs:
         from specplan.adaptive import belief_store
@@ -240,13 +320,23 @@ def profile_cmd(
     check.at_least(draft_layers, 1, "--draft-layers")
     check.output_file(out, "--out", "profile.json")
     check.output_dir(report_dir, "--report-dir")
-    from specplan.engine import load_model
-    from specplan.profiler.run import run_profile
+    command = "specplan " + shlex.join(sys.argv[1:])
+    if engine == "vllm":
+        from specplan.integrations.vllm_serve import checked_vllm_version
+        from specplan.profiler.vllm_timer import run_vllm_profile
 
-    profile, path, report = run_profile(model, quick=quick, out=out, report_dir=report_dir,
-                                        layer_skip_layers=draft_layers,
-                                        command="specplan " + shlex.join(sys.argv[1:]),
-                                        loaded=load_model(model, quantize=quantize))
+        if quantize != "none":
+            fail("--quantize is for the built-in engine; vLLM loads the model as its own --dtype/--quantization say")
+        checked_vllm_version()
+        profile, path, report = run_vllm_profile(model, quick=quick, out=out, report_dir=report_dir,
+                                                 progress=sys.stderr.isatty(), command=command)
+    else:
+        from specplan.engine import load_model
+        from specplan.profiler.run import run_profile
+
+        profile, path, report = run_profile(model, quick=quick, out=out, report_dir=report_dir,
+                                            layer_skip_layers=draft_layers, command=command,
+                                            loaded=load_model(model, quantize=quantize))
     f = profile.fit
     typer.echo(f"profile: {path}\nreport:  {report}\nlatency model error on held-out cells: {f.heldout_mape:.1f}% "
                f"(pure roofline: {f.roofline_mape:.1f}%)")

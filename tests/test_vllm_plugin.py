@@ -19,6 +19,7 @@ import pytest
 from specplan.engine.decider import StepRecord, StepView
 from specplan.integrations.vllm import (PlanningDrafter, PluginConfigError, PluginOptions, build_planner,
                                         check_vllm_version)
+from specplan.integrations.vllm_lookup import NgramLookup, SuffixLookup
 from specplan.integrations.vllm_rows import RowTracker
 
 MAX_LEN = 64
@@ -79,7 +80,7 @@ def test_rows_follow_requests_when_the_batch_condenses():
     second = tracker.read([[20, 21], [45]], b.lens[:2], b.toks[:2])
     assert [(r.request.seq_id, r.continued) for r in second.decodes] == [(o, True), (tracker._next_id - 1, False)]
     assert second.decodes[0].request.toks == OTHER + [23, 20, 21]  # the index reads the appended tokens
-    assert second.decodes[0].request.index.lookup(3)[0] == [22, 23, 20]
+    assert NgramLookup().lookup([second.decodes[0].request], [3])[0].drafts == [22, 23, 20]
     assert a not in {r.request.seq_id for r in second.decodes}
 
 
@@ -93,7 +94,7 @@ def test_a_row_with_other_tokens_is_a_new_request():
     (r1,) = tracker.read([[6]], b.lens, b.toks).decodes
     assert not r1.continued and r1.request.seq_id != r0.request.seq_id
     # Requests that stop appearing are forgotten.
-    for _ in range(tracker.forget_after_calls + 1):
+    for _ in range(tracker.forget_after_calls + tracker.forget_every_calls):
         tracker.read([], b.lens, b.toks)
     assert tracker.num_tracked == 0
 
@@ -129,6 +130,53 @@ def test_caps_k_zero_and_max_model_len():
     assert PlanningDrafter(Scripted(k=9), 2, MAX_LEN).propose([[5]], b.lens, b.toks) == [[6, 7]]
     near_end = len(REPEATING) + 1 + 2  # room for 1 draft and the target's token
     assert PlanningDrafter(Scripted(k=9), 4, near_end).propose([[5]], b.lens, b.toks) == [[6]]
+
+
+def test_suffix_drafts_are_the_engine_suffix_proposers():
+    from specplan.engine import SamplingParams, Sequence, SuffixProposer
+
+    planner = Scripted(k=3)
+    drafter = PlanningDrafter(planner, 4, MAX_LEN, lookup=SuffixLookup())
+    b = Batch()
+    b.put(0, REPEATING + [5])
+    out = drafter.propose([[5]], b.lens, b.toks)
+    seq = Sequence(seq_id=0, request_id="0", prompt_token_ids=REPEATING + [5], params=SamplingParams())
+    engine = SuffixProposer().propose([seq], [4])
+    assert out == [engine.token_ids[0][:3]] and out == [[6, 7, 8]]
+    assert planner.views[-1].proposer == "suffix" and planner.views[-1].requests[0].match_length == engine.match_length[0]
+    b.append(0, [6, 7, 9])
+    drafter.propose([[6, 7, 9]], b.lens, b.toks)
+    assert planner.records[-1].requests[0].natural_k == engine.natural_k[0]
+    # A request that stops appearing is forgotten; its output joins the suffix cache of finished requests.
+    for _ in range(drafter.rows.forget_after_calls + drafter.rows.forget_every_calls):
+        drafter.propose([], b.lens, b.toks)
+    assert drafter.lookup.proposer.num_tracked() == 0 and drafter.lookup.proposer.num_cached_requests() == 1
+
+
+def test_a_step_without_drafts_does_not_ask_the_planner():
+    planner = Scripted(k=3)
+    drafter = PlanningDrafter(planner, 4, MAX_LEN)
+    b = Batch()
+    b.put(0, [1, 2, 3, 4, 5, 6])  # no token repeats: the lookup finds nothing
+    assert drafter.propose([[6]], b.lens, b.toks) == [[]]
+    assert planner.views == [] and drafter.stats.decisions == 0 and drafter.stats.request_steps == 1
+    assert drafter.stats.by_batch[1][0] == 1 and drafter.stats.own_ms_per_call(1) > 0
+
+
+def test_fast_built_views_and_records_equal_the_engines():
+    from specplan.engine.decider import RequestRecord, RequestView
+    from specplan.integrations.vllm import _request_record, _request_view
+
+    assert _request_view(3, "", 100, 10, 4, True, 4, 7) == RequestView(3, "", 100, 10, 4, True, 4, 7)
+    record = _request_record(3, "", 4, 4, 2, 3, 8, 7)
+    assert record == RequestRecord(3, "", 4, 4, 2, 3, 8, 7) and record.accepted_per_position == (True, True, False, False)
+
+
+def test_options_from_the_environment_round_trip():
+    opts = PluginOptions(policy="static:2", profile="/p.json", proposer="suffix", sla_itl_ms=50.0, max_k=4)
+    assert PluginOptions.from_env(opts.to_env()) == opts
+    with pytest.raises(PluginConfigError, match="SPECPLAN_PROPOSER='draft' is not one of ngram, suffix"):
+        PluginOptions.from_env({"SPECPLAN_PROPOSER": "draft"})
 
 
 def test_the_real_planner_with_a_static_policy():
@@ -167,7 +215,7 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**fields)
 
 
-def synthetic_profile(hf_config, path: Path) -> Path:
+def synthetic_profile(hf_config, path: Path, kernels: str = "vllm-0.32.0-cpu") -> Path:
     """A profile for ``hf_config``'s model: flat up to 16 query tokens (memory-bound), then steep."""
     from specplan.engine.config import ModelConfig
     from specplan.profiler.fit import HingeLatencyModel
@@ -175,9 +223,9 @@ def synthetic_profile(hf_config, path: Path) -> Path:
                                            model_config_hash)
 
     latency = HingeLatencyModel(0.004, (16.0,), (4e-4,), 1e-8, 1e-5)
-    # As the built-in engine's profiler would write it (the kernels field names specplan's engine).
+    # As `specplan profile --engine vllm` would write it (the kernels field names the engine).
     fp = Fingerprint(model="tiny", model_config_hash=model_config_hash(ModelConfig.from_hf(hf_config)),
-                     dtype="float32", device="cpu", threads=2, torch_version="2", cpu="test", kernels="torch")
+                     dtype="float32", device="cpu", threads=2, torch_version="2", cpu="test", kernels=kernels)
     Profile(fingerprint=fp,
             ceilings=CeilingsModel(peak_flops=1e11, bandwidth=2e10, ridge=5.0),
             cost=CostConstants(weight_bytes=1e6, flops_per_token=1e5, lm_head_flops_per_row=4e4,
@@ -188,11 +236,15 @@ def synthetic_profile(hf_config, path: Path) -> Path:
     return path
 
 
-def test_a_profile_for_another_model_is_refused(tmp_path):
+def test_a_profile_for_another_model_or_engine_is_refused(tmp_path):
     from specplan.profiler.profile import ProfileError
 
+    engine = synthetic_profile(tiny_llama_config(), tmp_path / "engine.json", kernels="torch-avx512")
+    with pytest.raises(ProfileError, match="timed another engine.*'torch-avx512'.*specplan profile --engine vllm"):
+        build_planner(PluginOptions(profile=str(engine)), num_speculative_tokens=4, hf_config=tiny_llama_config())
+
     path = synthetic_profile(tiny_llama_config(), tmp_path / "p.json")
-    with pytest.raises(ProfileError, match="another model.*specplan profile --model DIR"):
+    with pytest.raises(ProfileError, match="another model.*specplan profile --engine vllm --model DIR"):
         build_planner(PluginOptions(profile=str(path)), num_speculative_tokens=4,
                       hf_config=tiny_llama_config(num_hidden_layers=3))
     with pytest.raises(PluginConfigError, match="num_speculative_tokens=3 is below.*measured steps up to k = 4.*SPECPLAN_MAX_K=3"):
@@ -251,7 +303,7 @@ def vllm_off(vllm_env, tiny_model_dir) -> list[list[int]]:
 
 
 def run_plugin(mp, model_dir: Path, stats: Path, k: int = 4, **env: str) -> tuple[list[list[int]], dict]:
-    for name in ("SPECPLAN_PROFILE", "SPECPLAN_MAX_K"):
+    for name in ("SPECPLAN_PROFILE", "SPECPLAN_MAX_K", "SPECPLAN_PROPOSER"):
         mp.delenv(name, raising=False)
     for name, value in env.items():
         mp.setenv(name, value)
@@ -262,18 +314,19 @@ def run_plugin(mp, model_dir: Path, stats: Path, k: int = 4, **env: str) -> tupl
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["static:3", "goodput"])
-def test_plugin_in_vllm_matches_vllm_off(policy, vllm_env, vllm_off, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("policy,proposer", [("static:3", "ngram"), ("goodput", "ngram"), ("static:3", "suffix")])
+def test_plugin_in_vllm_matches_vllm_off(policy, proposer, vllm_env, vllm_off, tiny_model_dir, tmp_path):
     from transformers import AutoConfig
 
-    env = {"SPECPLAN_POLICY": policy}
+    env = {"SPECPLAN_POLICY": policy, "SPECPLAN_PROPOSER": proposer}
     if policy == "goodput":
         env["SPECPLAN_PROFILE"] = str(synthetic_profile(AutoConfig.from_pretrained(tiny_model_dir),
                                                         tmp_path / "profile.json"))
     out, stats = run_plugin(vllm_env, tiny_model_dir, tmp_path / "stats.json", **env)
     assert out == vllm_off  # greedy: token for token what vLLM emits without speculation
     assert stats["calls"] > 0 and stats["drafts_proposed"] > 0 and stats["steps_observed"] > 0
-    print(f"{policy}: {stats}")
+    assert stats["own_s"] > 0 and sum(stats["phase_s"].values()) <= stats["own_s"]
+    print(f"{policy} {proposer}: {stats}")
 
 
 @needs_vllm
@@ -282,3 +335,26 @@ def test_plugin_with_k_zero_proposes_nothing(vllm_env, vllm_off, tiny_model_dir,
     out, stats = run_plugin(vllm_env, tiny_model_dir, tmp_path / "stats.json", SPECPLAN_POLICY="static:0")
     assert out == vllm_off
     assert stats["calls"] > 0 and stats["drafts_proposed"] == 0
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_profiler_forces_every_draft_length(vllm_env, tiny_model_dir):
+    """`specplan profile --engine vllm`'s measurement on a tiny grid: every (B, T) cell gets its
+    timed steps, vLLM ran exactly the forced widths, and the header names vLLM as the engine."""
+    import vllm
+    from transformers import AutoConfig
+
+    from specplan.engine.config import ModelConfig
+    from specplan.profiler.profile import model_config_hash
+    from specplan.profiler.vllm_timer import VllmGrid, measure_vllm_grid
+
+    grid = VllmGrid(batch_sizes=(1, 3), tokens_per_seq=(1, 3), contexts=(16,), passes=2)
+    hf = AutoConfig.from_pretrained(tiny_model_dir)
+    table, header = measure_vllm_grid(tiny_model_dir, grid, vocab_size=hf.vocab_size, kv_bytes_per_token=4096,
+                                      progress=False, extra_llm_args={"enforce_eager": True})
+    assert sorted(zip(table.batch_size, table.tokens_per_seq)) == [(1, 1), (1, 3), (3, 1), (3, 3)]
+    assert (table.num_tokens == table.batch_size * table.tokens_per_seq).all() and (table.seconds > 0).all()
+    assert all(len(s) >= grid.passes for s in table.all_seconds)
+    assert header["kernels"] == f"vllm-{vllm.__version__}-cpu"
+    assert header["model_config_hash"] == model_config_hash(ModelConfig.from_hf(hf))

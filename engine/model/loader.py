@@ -126,6 +126,19 @@ def load_model(
     )
 
 
+def hf_model_dir(model: str | os.PathLike | None = None, cache_dir: Path | None = None) -> tuple[Path, str]:
+    """(the Hugging Face-format directory ``load_model`` would read, the model's name), without
+    reading weights: for other engines (vLLM) serving the same model. A .gguf is converted into
+    the cache first, as ``load_model`` does."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        return path, path.resolve().name
+    if path.exists() and path.suffix.lower() == ".gguf":
+        return _gguf_to_cached_hf_dir(path, cache_dir), _gguf_display_name(path)
+    raise ModelLoadError(f"model path {path} is not a Hugging Face model directory or a .gguf file; pass one "
+                         "(nothing is downloaded)")
+
+
 # --- Hugging Face directories ---------------------------------------------------------------
 
 

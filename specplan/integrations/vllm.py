@@ -6,29 +6,36 @@ Use (vLLM 0.32, V1 engine; the plugin is imported only by vLLM, never by specpla
                                        "model": "specplan.integrations.vllm.SpecplanProposer",
                                        "num_speculative_tokens": 8})
 
+or ``specplan serve --engine vllm --adaptive``, which starts vLLM's server so.
+
 vLLM builds ``SpecplanProposer(vllm_config)`` in its worker and calls ``propose`` after every
 step. Each call the plugin (1) reads the batch's rows (specplan/integrations/vllm_rows.py: which
 request is which, what the step committed), (2) tells the planner what the step that just ran
 did, as the built-in engine does: per request drafts asked / proposed / accepted (accepted =
 committed tokens - 1), the match length, the step's wall time (from one call to the next; the
 plugin's own time is reported as propose time, the rest as forward time: vLLM shows no split),
-batch size and query tokens, (3) looks every decoding request up in specplan's n-gram index (the
-engine's ``NgramIndex``: one implementation) and (4) asks the planner's policy for k per
-request, returning that many drafts each (0..K; [] = the request does not speculate).
+batch size and query tokens, (3) looks every decoding request up with specplan's n-gram or
+suffix proposer (specplan/integrations/vllm_lookup.py: the engine's own implementations) and
+(4) asks the planner's policy for k per request, returning that many drafts each (0..K; [] =
+the request does not speculate). A step in which no request has drafts is decided without the
+planner: every k is 0 whatever the policy.
 
 vLLM passes nothing but ``vllm_config``, so specplan's options come from the environment:
 
     SPECPLAN_POLICY       the decision rule, as ``specplan --policy`` spells it (default goodput;
                           static:K, batch_table, heuristic need no profile)
-    SPECPLAN_PROFILE      a Profile JSON (``specplan profile``); required by goodput and roofline
+    SPECPLAN_PROFILE      a Profile JSON of this model measured on vLLM (``specplan profile
+                          --engine vllm``); required by goodput and roofline
+    SPECPLAN_PROPOSER     ngram (default) or suffix
     SPECPLAN_SLA_ITL_MS   the ITL SLA in ms: predicted steps stay under it
     SPECPLAN_MAX_K        the planner's cap on drafts per request (default: the profile's deepest
                           measured k, at most 8; without a profile, vLLM's K, at most 8); vLLM's
                           num_speculative_tokens must be >= it
     SPECPLAN_WORKLOAD     the workload tag for pooled acceptance priors (default "default")
     SPECPLAN_VLLM_STATS   a JSON file the plugin rewrites after every call with its counters
-                          (calls, drafts proposed and accepted, its own seconds): for tests and
-                          benchmarks, whose vLLM runs the plugin in another process
+                          (calls, drafts proposed and accepted, its own seconds per phase and per
+                          batch size): for tests and benchmarks, whose vLLM runs the plugin in
+                          another process
 
 Limits (vLLM's drafter sees no sampling parameters and no request ids): every request is taken
 as greedy for the priors (the pooled beliefs learn the real acceptance), a request's identity is
@@ -37,29 +44,31 @@ inferred from its tokens, and a step's prefill tokens from the slot mapping's le
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from specplan.engine.decider import RequestRecord, RequestView, StepRecord, StepView
 from specplan.planner import Planner, PlannerConfig, planner_from_profile
 from specplan.policies import make_policy
+from specplan.profiler.vllm_timer import VLLM_KERNELS_PREFIX, vllm_kernels
 
-from .vllm_rows import BatchRows, LookupConfig, RowTracker
+from .vllm_lookup import LOOKUPS, Found, Lookup, make_lookup
+from .vllm_rows import BatchRows, RowTracker
 
 log = logging.getLogger("specplan.vllm")
 
 # The vLLM releases whose ``custom_class`` door (propose's arguments, what sampled_token_ids
 # holds) this plugin was built and tested against: (major, minor).
 SUPPORTED_VLLM = ((0, 32),)
-PROPOSER = "ngram"
 
 
 class PluginConfigError(ValueError):
@@ -70,6 +79,7 @@ class PluginConfigError(ValueError):
 class PluginOptions:
     policy: str = "goodput"
     profile: str | None = None
+    proposer: str = "ngram"
     sla_itl_ms: float | None = None
     max_k: int | None = None
     workload: str = "default"
@@ -89,11 +99,22 @@ class PluginOptions:
                 raise PluginConfigError(f"{name}={text!r} is not a {kind.__name__} >= {low:g}; fix or unset it")
             return value
 
+        proposer = env.get("SPECPLAN_PROPOSER") or "ngram"
+        if proposer not in LOOKUPS:
+            raise PluginConfigError(f"SPECPLAN_PROPOSER={proposer!r} is not one of {', '.join(LOOKUPS)}; "
+                                    f"fix or unset it (default ngram)")
         return PluginOptions(policy=env.get("SPECPLAN_POLICY") or "goodput", profile=env.get("SPECPLAN_PROFILE") or None,
-                             sla_itl_ms=number("SPECPLAN_SLA_ITL_MS", float, 1e-9),
+                             proposer=proposer, sla_itl_ms=number("SPECPLAN_SLA_ITL_MS", float, 1e-9),
                              max_k=number("SPECPLAN_MAX_K", int, 0),
                              workload=env.get("SPECPLAN_WORKLOAD") or "default",
                              stats_path=env.get("SPECPLAN_VLLM_STATS") or None)
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that ``from_env`` reads back as these options (for launchers)."""
+        values = {"SPECPLAN_POLICY": self.policy, "SPECPLAN_PROFILE": self.profile, "SPECPLAN_PROPOSER": self.proposer,
+                  "SPECPLAN_SLA_ITL_MS": self.sla_itl_ms, "SPECPLAN_MAX_K": self.max_k,
+                  "SPECPLAN_WORKLOAD": self.workload, "SPECPLAN_VLLM_STATS": self.stats_path}
+        return {name: str(value) for name, value in values.items() if value is not None}
 
 
 def check_vllm_version(version: str) -> None:
@@ -109,9 +130,11 @@ def check_vllm_version(version: str) -> None:
                                 f"{SUPPORTED_VLLM[-1][1]}.*') or drop the custom_class speculative_config")
 
 
-def load_profile(path: str, hf_config: Any, dtype: str) -> tuple[Any, list[str]]:
-    """The profile at ``path`` if it is for the model vLLM serves, and warnings (another engine, dtype).
-    Raises ProfileError (one line) for a missing, corrupt or other model's profile."""
+def load_profile(path: str, hf_config: Any, dtype: str, kernels: str | None = None) -> tuple[Any, list[str]]:
+    """The profile at ``path`` if it was measured on vLLM for the model vLLM serves, and warnings
+    (another vLLM release, dtype). ``kernels``: what this vLLM would write (``vllm_kernels``).
+    Raises ProfileError (one line) for a missing or corrupt profile, another model's or another
+    engine's."""
     from specplan.engine.config import ModelConfig
     from specplan.profiler.profile import Profile, ProfileError, model_config_hash
 
@@ -123,18 +146,21 @@ def load_profile(path: str, hf_config: Any, dtype: str) -> tuple[Any, list[str]]
         served = f"unknown ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
     if fp.model_config_hash != served:
         raise ProfileError(f"profile {path} was measured for another model ({fp.model}, config {fp.model_config_hash}; "
-                           f"vLLM serves config {served}); profile this model: `specplan profile --model DIR`")
+                           f"vLLM serves config {served}); profile this model: `specplan profile --engine vllm --model DIR`")
+    if not fp.kernels.startswith(VLLM_KERNELS_PREFIX):
+        raise ProfileError(f"profile {path} timed another engine (kernels {fp.kernels!r}), not vLLM; measure vLLM's "
+                           f"steps with `specplan profile --engine vllm --model DIR` and pass that profile")
     warnings = []
-    if not fp.kernels.startswith("vllm"):
-        warnings.append(f"profile {path} timed specplan's engine (kernels {fp.kernels}), not vLLM: its step times are "
-                        f"another engine's; the planner corrects drift online, a vLLM profile would plan better")
+    if kernels is not None and fp.kernels != kernels:
+        warnings.append(f"profile {path} was measured on {fp.kernels}, this is {kernels}: timings may be off "
+                        f"(the planner corrects drift online)")
     if fp.dtype != dtype:
         warnings.append(f"profile {path} was measured in {fp.dtype}, vLLM runs {dtype}: timings may be off")
     return profile, warnings
 
 
 def build_planner(options: PluginOptions, *, num_speculative_tokens: int, hf_config: Any = None,
-                  dtype: str = "float32") -> Planner:
+                  dtype: str = "float32", kernels: str | None = None) -> Planner:
     """The planner the plugin steers with; PluginConfigError / ProfileError (one line) on bad input."""
     try:
         policy = make_policy(options.policy)
@@ -142,13 +168,13 @@ def build_planner(options: PluginOptions, *, num_speculative_tokens: int, hf_con
         raise PluginConfigError(f"SPECPLAN_POLICY={options.policy!r}: {e}") from None
     profile = None
     if options.profile is not None:
-        profile, warnings = load_profile(options.profile, hf_config, dtype)
+        profile, warnings = load_profile(options.profile, hf_config, dtype, kernels)
         for w in warnings:
             log.warning("specplan: %s", w)
     elif "latency" in policy.requires or "roofline" in policy.requires:
-        raise PluginConfigError(f"policy {policy.name!r} needs a latency profile of this model: set "
-                                f"SPECPLAN_PROFILE=PATH (from `specplan profile`; `specplan profile --engine vllm` "
-                                f"is coming), or SPECPLAN_POLICY=static:K / batch_table / heuristic, which need none")
+        raise PluginConfigError(f"policy {policy.name!r} needs a latency profile of this model on vLLM: set "
+                                f"SPECPLAN_PROFILE=PATH (from `specplan profile --engine vllm`), or "
+                                f"SPECPLAN_POLICY=static:K / batch_table / heuristic, which need none")
     max_k = options.max_k
     if max_k is None and profile is None:  # nothing asks for more than vLLM's K
         max_k = min(PlannerConfig.max_k, num_speculative_tokens)
@@ -161,7 +187,35 @@ def build_planner(options: PluginOptions, *, num_speculative_tokens: int, hf_con
                                 f"the planner may ask for ({source}); set num_speculative_tokens={max_k} (the planner "
                                 f"turns speculation down itself) or SPECPLAN_MAX_K={num_speculative_tokens}")
     sla = options.sla_itl_ms / 1000 if options.sla_itl_ms is not None else None
-    return planner_from_profile(profile, policy, proposer=PROPOSER, sla_itl_s=sla, max_k=max_k)
+    planner = planner_from_profile(profile, policy, proposer=options.proposer, sla_itl_s=sla, max_k=max_k)
+    planner.workload = options.workload  # the tag of every request's pooled prior
+    return planner
+
+
+def _filler(cls: type) -> Callable[..., Any]:
+    """A positional constructor for the frozen dataclass ``cls`` (every field, in order, no
+    defaults) that fills the new instance's ``__dict__`` at once. The generated ``__init__`` sets
+    each field through ``object.__setattr__`` (the price of frozen), and the plugin builds a
+    RequestView and a RequestRecord per request every step: at B = 32 that was ~0.1 ms a step,
+    measured, of a 1 ms budget. The objects are the engine's own types, equal to ones built
+    normally; only ``__post_init__`` would be skipped, and these types have none."""
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__name__} has a __post_init__; build it normally")
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    new = object.__new__
+
+    def make(*values: Any) -> Any:
+        obj = new(cls)
+        obj.__dict__.update(zip(names, values))
+        return obj
+
+    return make
+
+
+_request_view = _filler(RequestView)
+_request_record = _filler(RequestRecord)
+
+PHASES = ("read", "observe", "lookup", "decide")  # the rest of own_s: filling the answer, counters
 
 
 @dataclass
@@ -170,12 +224,26 @@ class DrafterStats:
 
     calls: int = 0
     request_steps: int = 0  # decoding rows over all calls
+    rows_moved: int = 0  # of which not in last call's row (moved by vLLM, or new): matched the slow way
     drafts_proposed: int = 0
     drafts_accepted: int = 0  # of drafts proposed for steps that have run
     steps_observed: int = 0  # step records given to the planner
-    own_s: float = 0.0  # seconds inside propose, all calls
+    decisions: int = 0  # calls that asked the planner (the others had no drafts to decide on)
+    own_s: float = 0.0  # seconds inside propose, all calls (wall)
+    own_cpu_s: float = 0.0  # the same calls' CPU seconds (this thread): the cost without a busy machine's waits
     own_s_max: float = 0.0
     max_batch: int = 0
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # Decoding rows -> [calls, own seconds]: the plugin's cost per step at each batch size.
+    by_batch: dict[int, list[float]] = field(default_factory=dict)
+    # The latest calls as [decoding rows, own seconds, own CPU seconds] (medians; the first call of
+    # a burst also indexes every new prompt, a cost the mean would spread over the steady steps).
+    recent: list[list[float]] = field(default_factory=list)
+    recent_limit: int = 512
+
+    def own_ms_per_call(self, batch: int) -> float | None:
+        calls, seconds = self.by_batch.get(batch, (0, 0.0))
+        return 1e3 * seconds / calls if calls else None
 
 
 class PlanningDrafter:
@@ -185,21 +253,24 @@ class PlanningDrafter:
     num_speculative_tokens: vLLM's K, the most drafts a request may get.
     max_model_len: no request is given drafts past it.
     max_num_batched_tokens: the step's token budget (the planner's draft budget), or None.
+    lookup: where drafts come from (vllm_lookup.py), default the n-gram lookup.
+    clock: seconds for step times (the time between calls); a simulation passes its own.
     """
 
     def __init__(self, planner: Any, num_speculative_tokens: int, max_model_len: int,
-                 max_num_batched_tokens: int | None = None, lookup: LookupConfig = LookupConfig(),
-                 stats_path: str | None = None):
+                 max_num_batched_tokens: int | None = None, lookup: Lookup | None = None,
+                 stats_path: str | None = None, clock: Callable[[], float] = time.perf_counter):
         self.planner = planner
         self.k = num_speculative_tokens
         self.planner_max_k = getattr(getattr(planner, "config", None), "max_k", num_speculative_tokens)
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.lookup = lookup
-        self.rows = RowTracker(lookup)
+        self.lookup = lookup or make_lookup("ngram")
+        self.rows = RowTracker()
         self.stats = DrafterStats()
         self.stats_path = Path(stats_path) if stats_path else None
-        self._prev_start: float | None = None  # perf_counter at the previous call's start
+        self.clock = clock
+        self._prev_start: float | None = None  # clock at the previous call's start
         self._prev_own_s = 0.0  # the previous call's own seconds
 
     def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
@@ -207,23 +278,42 @@ class PlanningDrafter:
         """Drafts per row of vLLM's batch ([] = none). Shapes as vLLM passes them:
         sampled_token_ids [num_rows] lists, num_tokens_no_spec [>= num_rows],
         token_ids_cpu [>= num_rows, max_model_len]."""
-        start = time.perf_counter()
+        now = time.perf_counter
+        start, cpu_start, clock_start = now(), time.thread_time(), self.clock()
+        phase = self.stats.phase_s
         batch = self.rows.read(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        for t in batch.forgotten:
+            self.lookup.forget(t)
+        self.stats.rows_moved += batch.num_moved
+        t1 = now()
+        phase["read"] += t1 - start
         # A step is comparable when a request ran through it: the time since the previous call
         # then is one step, not an idle gap before the first request of a new burst.
         if self._prev_start is not None and any(r.continued for r in batch.decodes):
-            self.planner.observe(self._record(batch, start - self._prev_start, slot_mappings))
+            self.planner.observe(self._record(batch, clock_start - self._prev_start, slot_mappings))
             self.stats.steps_observed += 1
+        t2 = now()
+        phase["observe"] += t2 - t1
         out: list[list[int]] = [[] for _ in range(batch.num_rows)]
         if batch.decodes:
             self._draft(batch, out)
-        own = time.perf_counter() - start
-        self._prev_start, self._prev_own_s = start, own
         st = self.stats
         st.calls += 1
-        st.own_s += own
-        st.own_s_max = max(st.own_s_max, own)
         st.max_batch = max(st.max_batch, batch.num_rows)
+        cell = st.by_batch.get(len(batch.decodes))
+        if cell is None:
+            cell = st.by_batch[len(batch.decodes)] = [0, 0.0]
+        own = now() - start
+        self._prev_start, self._prev_own_s = clock_start, own
+        st.own_s += own
+        cpu = time.thread_time() - cpu_start
+        st.own_cpu_s += cpu
+        if len(st.recent) >= st.recent_limit:
+            del st.recent[:st.recent_limit // 2]
+        st.recent.append([len(batch.decodes), own, cpu])
+        st.own_s_max = max(st.own_s_max, own)
+        cell[0] += 1
+        cell[1] += own
         if self.stats_path is not None:  # a debugging aid: its cost is not counted in own_s
             self._write_stats()
         return out
@@ -231,7 +321,7 @@ class PlanningDrafter:
     def _record(self, batch: BatchRows, total_s: float, slot_mappings: Any) -> StepRecord:
         """The step that just ran, as the built-in engine reports one (engine/decider.py)."""
         reqs, decode_tokens, context = [], 0, 0
-        new_prompt_tokens = 0
+        new_prompt_tokens = accepted = 0
         for r in batch.decodes:
             t = r.request
             prev_len = t.num_tokens - r.num_sampled  # committed before the step
@@ -241,9 +331,11 @@ class PlanningDrafter:
                 continue
             decode_tokens += 1 + t.proposed
             context += prev_len + 1 + t.proposed
-            reqs.append(RequestRecord(t.seq_id, str(t.seq_id), t.asked, t.proposed, r.num_accepted, r.num_sampled,
-                                      t.natural_k, t.match_length))
-            self.stats.drafts_accepted += r.num_accepted
+            num_accepted = r.num_accepted
+            reqs.append(_request_record(t.seq_id, "", t.asked, t.proposed, num_accepted, r.num_sampled,
+                                        t.natural_k, t.match_length))
+            accepted += num_accepted
+        self.stats.drafts_accepted += accepted
         total_tokens = _scheduled_tokens(slot_mappings)
         prefill_tokens = (max(0, total_tokens - decode_tokens) if total_tokens is not None
                           else new_prompt_tokens + len(batch.prefill_rows))
@@ -254,34 +346,48 @@ class PlanningDrafter:
 
     def _draft(self, batch: BatchRows, out: list[list[int]]) -> None:
         """Look every decoding row up, ask the planner for k per row, fill ``out``."""
+        now = time.perf_counter
+        t0 = now()
         cap_all = min(self.k, self.planner_max_k)
-        views, found = [], []
-        context = 0
-        for r in batch.decodes:
-            t = r.request
+        requests = [r.request for r in batch.decodes]
+        room = self.max_model_len - 1
+        caps = [max(0, min(cap_all, room - t.num_tokens)) for t in requests]
+        found = self.lookup.lookup(requests, caps)
+        t1 = now()
+        st = self.stats
+        st.phase_s["lookup"] += t1 - t0
+        st.request_steps += len(requests)
+        if any(f.drafts for f in found):
+            ks = self._decide(batch, requests, found)
+            st.decisions += 1
+        else:  # nothing to speculate with: every policy's answer is 0 for all
+            ks = None
+        t2 = now()
+        st.phase_s["decide"] += t2 - t1
+        proposed = 0
+        for r, t, f, k in zip(batch.decodes, requests, found, ks or [0] * len(requests)):
+            k = max(0, min(int(k), len(f.drafts)))
+            t.asked = t.proposed = k
+            if k:
+                t.natural_k, t.match_length = f.natural_k, f.match_length
+                out[r.row] = f.drafts[:k]
+                proposed += k
+            else:
+                t.natural_k = t.match_length = None
+        st.drafts_proposed += proposed
+
+    def _decide(self, batch: BatchRows, requests: list, found: list[Found]) -> list[int]:
+        views, context = [], 0
+        for t, f in zip(requests, found):
             n = t.num_tokens
             context += n
-            cap = max(0, min(cap_all, self.max_model_len - n - 1))
-            drafts, available, match_length = t.index.lookup(cap) if cap else ([], 0, 0)
-            found.append((drafts, available, match_length))
-            views.append(RequestView(t.seq_id, str(t.seq_id), n, n - t.first_len + 1, len(drafts), True,
-                                     len(drafts), match_length))
+            drafts = len(f.drafts)
+            views.append(_request_view(t.seq_id, "", n, n - t.first_len + 1, drafts, True, drafts, f.match_length))
         budget = (max(0, self.max_num_batched_tokens - len(views) - len(batch.prefill_rows))
                   if self.max_num_batched_tokens is not None else None)
         view = StepView(requests=tuple(views), num_prefill_tokens=0, num_prefill_seqs=len(batch.prefill_rows),
-                        context_tokens=context, proposer=PROPOSER, draft_budget=budget)
-        ks = self.planner.decide(view)
-        st = self.stats
-        st.request_steps += len(views)
-        for r, k, (drafts, available, match_length) in zip(batch.decodes, ks, found):
-            t = r.request
-            k = max(0, min(int(k), len(drafts)))
-            t.asked, t.proposed = k, k
-            t.natural_k = min(available, self.lookup.max_natural_k) if k else None
-            t.match_length = match_length if k else None
-            if k:
-                out[r.row] = drafts[:k]
-                st.drafts_proposed += k
+                        context_tokens=context, proposer=self.lookup.name, draft_budget=budget)
+        return self.planner.decide(view)
 
     def _write_stats(self) -> None:
         tmp = self.stats_path.with_suffix(self.stats_path.suffix + ".tmp")
@@ -313,13 +419,15 @@ class SpecplanProposer(PlanningDrafter):
         spec = vllm_config.speculative_config
         model = vllm_config.model_config
         k = int(spec.num_speculative_tokens)
+        device = getattr(vllm_config.device_config, "device_type", "cpu")
         planner = build_planner(options, num_speculative_tokens=k, hf_config=model.hf_config,
-                                dtype=str(model.dtype).removeprefix("torch."))
+                                dtype=str(model.dtype).removeprefix("torch."),
+                                kernels=vllm_kernels(vllm.__version__, device))
         super().__init__(planner, k, int(model.max_model_len),
                          getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None),
-                         stats_path=options.stats_path)
-        log.info("specplan: planning speculation with policy %s (max_k %d, vLLM K %d)", options.policy,
-                 planner.config.max_k, k)
+                         lookup=make_lookup(options.proposer), stats_path=options.stats_path)
+        log.info("specplan: planning %s speculation with policy %s (max_k %d, vLLM K %d)", options.proposer,
+                 options.policy, planner.config.max_k, k)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_: Any):
         return super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings)

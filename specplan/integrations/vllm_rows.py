@@ -7,9 +7,15 @@ ran), ``num_tokens_no_spec[i]`` (its committed length, those tokens included) an
 finishes, vLLM condenses the batch by moving later rows into the hole. So a row's request is
 recognised by its tokens: a tracked request whose committed length was ``n - s`` last time (n
 the row's length now, s its newly sampled tokens) and whose first and last tokens equal the
-row's there. Two rows that pass for one another hold the same tokens, so n-gram drafts and
-acceptance beliefs carry over correctly either way. A row that matches nobody is a new request
-(or one vLLM preempted and recomputed): its beliefs start from the planner's pooled prior.
+row's there. Two rows that pass for one another hold the same tokens, so drafts and acceptance
+beliefs carry over correctly either way. A row that matches nobody is a new request (or one vLLM
+preempted and recomputed): its beliefs start from the planner's pooled prior.
+
+Cost (this runs every step, inside vLLM's step loop): almost every row holds the request it held
+last call, so that request is checked first, against the row's head and tail tokens gathered for
+the whole batch in two numpy reads; only rows that fail it search the other tracked requests.
+The tokens a row committed are ``sampled_token_ids[i]`` itself (vLLM writes exactly those into
+``token_ids_cpu`` before calling), so nothing else is copied out of the arrays per step.
 
 Pure Python over numpy: importable and testable without vLLM.
 """
@@ -17,35 +23,27 @@ Pure Python over numpy: importable and testable without vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
-
-from specplan.engine.proposers.ngram import NgramIndex
 
 # Tokens compared at each end of the already-known prefix to recognise a request (the n-gram
 # proposer's own guard against rewritten token lists re-checks 8 trailing tokens the same way).
 HEAD_TOKENS = 16
 TAIL_TOKENS = 8
-
-
-@dataclass(frozen=True)
-class LookupConfig:
-    """The n-gram lookup's knobs; the defaults are the built-in engine's NgramProposer's."""
-
-    min_n: int = 1
-    max_n: int = 4
-    max_match_length: int = 16
-    max_natural_k: int = 8  # natural_k = min(available, this): what the planner's n-gram prior reads
+_TAIL_OFFSETS = np.arange(-TAIL_TOKENS, 0)  # [TAIL_TOKENS]: -8 .. -1
 
 
 @dataclass
 class TrackedRequest:
-    """One request as the plugin knows it: its tokens, its n-gram index, what was proposed last."""
+    """One request as the plugin knows it: its tokens and what was proposed for it last call.
+
+    It is also what the proposers read (engine/proposers: ``seq_id``, ``token_ids``,
+    ``output_token_ids``): a lookup keeps its index per ``seq_id`` and reads ``toks`` in place."""
 
     seq_id: int  # the plugin's own id (vLLM shows the drafter none); the planner keys beliefs on it
-    toks: list[int]  # prompt + committed output, a mirror of the row; the index reads it in place
-    index: NgramIndex
+    toks: list[int]  # prompt + committed output, a mirror of the row, appended to in place
+    head: list[int]  # toks[:HEAD_TOKENS] when first seen: what recognises it in any row
     first_len: int  # committed length when first seen (the prompt + its first sampled token)
     last_seen: int  # the call that last matched it
     # What the previous call returned for it (the drafts the step that just ran verified):
@@ -58,10 +56,20 @@ class TrackedRequest:
     def num_tokens(self) -> int:
         return len(self.toks)
 
+    @property
+    def token_ids(self) -> list[int]:
+        return self.toks
 
-@dataclass(frozen=True)
-class Row:
-    """A row of this call's batch that decodes (it sampled tokens in the step that just ran)."""
+    @property
+    def output_token_ids(self) -> list[int]:
+        """What it generated, as far as the plugin can tell (the prompt's length is not shown to
+        a drafter: everything from its first sampled token on)."""
+        return self.toks[self.first_len - 1:]
+
+
+class Row(NamedTuple):
+    """A row of this call's batch that decodes (it sampled tokens in the step that just ran).
+    A named tuple: 32 of them are made every step, at a quarter of a frozen dataclass's cost."""
 
     row: int  # index into vLLM's arrays
     request: TrackedRequest
@@ -81,15 +89,18 @@ class BatchRows:
     decodes: list[Row]  # rows that committed tokens, in row order
     num_rows: int  # all rows, those still prefilling included
     prefill_rows: list[int] = field(default_factory=list)  # rows that committed nothing (prompt chunk, discarded)
+    forgotten: list[TrackedRequest] = field(default_factory=list)  # dropped this call (finished long ago)
+    num_moved: int = 0  # decoding rows not holding last call's request (moved or new): the slow path
 
 
 class RowTracker:
-    """Follows requests across calls; owns their n-gram indexes. One per drafter (no globals)."""
+    """Follows requests across calls. One per drafter (no globals)."""
 
-    def __init__(self, lookup: LookupConfig = LookupConfig(), forget_after_calls: int = 64):
-        self.lookup = lookup
+    def __init__(self, forget_after_calls: int = 64, forget_every_calls: int = 16):
         self.forget_after_calls = forget_after_calls
+        self.forget_every_calls = forget_every_calls  # how often to look for requests to forget
         self._requests: list[TrackedRequest] = []
+        self._by_row: list[TrackedRequest | None] = []  # row -> the request it held last call
         self._next_id = 0
         self._call = 0
 
@@ -105,48 +116,77 @@ class RowTracker:
         token_ids_cpu: [>= num_rows, max_model_len] int (vLLM passes the persistent buffers,
         longer than the batch)."""
         self._call += 1
-        by_len: dict[int, list[TrackedRequest]] = {}
-        for t in self._requests:
-            by_len.setdefault(t.num_tokens, []).append(t)
-        decodes, prefill = [], []
+        call = self._call
+        num_rows = len(sampled_token_ids)
+        lens_list = num_tokens_no_spec[:num_rows].tolist()  # [R]
+        prev_list = [max(n - len(s), 1) for n, s in zip(lens_list, sampled_token_ids)]  # [R] committed before
+        # Worked example: prev = [20, 3] -> tail columns [[12..19], [0, 0, 0, 0, 0, 0, 1, 2]]
+        # (clipped at 0; a short row compares only its last prev tokens).
+        cols = np.maximum(np.array(prev_list, dtype=np.int64)[:, None] + _TAIL_OFFSETS, 0)  # [R, TAIL_TOKENS]
+        tails = token_ids_cpu[np.arange(num_rows)[:, None], cols].tolist()  # [R][TAIL_TOKENS]
+        heads = token_ids_cpu[:num_rows, :HEAD_TOKENS].tolist()  # [R][HEAD_TOKENS]
+        by_row = self._by_row
+        num_by_row = len(by_row)
+        decodes, prefill, moved = [], [], []
+        rows_now: list[TrackedRequest | None] = [None] * num_rows
         for i, sampled in enumerate(sampled_token_ids):
-            s = len(sampled)
-            if s == 0:
+            if not sampled:
                 prefill.append(i)
                 continue
-            n = int(num_tokens_no_spec[i])
-            row = token_ids_cpu[i]  # [max_model_len]
-            t = self._claim(by_len.get(n - s), row, n - s)
-            if t is not None:
-                t.toks.extend(row[n - s:n].tolist())
-                decodes.append(Row(i, t, s, continued=True))
+            t = by_row[i] if i < num_by_row else None
+            if t is not None and t.last_seen < call and self._holds(t, prev_list[i], heads[i], tails[i]):
+                t.toks.extend(sampled)
+                t.last_seen = call
+                rows_now[i] = t
+                decodes.append(Row(i, t, len(sampled), continued=True))
             else:
-                t = self._new(row[:n].tolist())
-                decodes.append(Row(i, t, s, continued=False))
-            t.last_seen = self._call
-        horizon = self._call - self.forget_after_calls
-        if any(t.last_seen < horizon for t in self._requests):
+                moved.append(i)
+                decodes.append(None)  # filled below, in row order
+        if moved:
+            self._place_moved(moved, decodes, rows_now, sampled_token_ids, token_ids_cpu, lens_list, prev_list,
+                              heads, tails)
+        self._by_row = rows_now
+        forgotten = []
+        horizon = call - self.forget_after_calls
+        if call % self.forget_every_calls == 0 and any(t.last_seen < horizon for t in self._requests):
             # Finished requests just stop appearing; one vLLM did not schedule for a while may return.
+            forgotten = [t for t in self._requests if t.last_seen < horizon]
             self._requests = [t for t in self._requests if t.last_seen >= horizon]
-        return BatchRows(decodes, len(sampled_token_ids), prefill)
+        return BatchRows(decodes, num_rows, prefill, forgotten, len(moved))
 
-    def _claim(self, candidates: list[TrackedRequest] | None, row: np.ndarray, prev_len: int) -> TrackedRequest | None:
-        """The candidate (committed length prev_len) whose head and tail tokens the row repeats;
-        removed from the candidates so that no two rows claim one request."""
-        if not candidates:
-            return None
-        h = min(HEAD_TOKENS, prev_len)
-        lo = max(h, prev_len - TAIL_TOKENS)
-        head, tail = row[:h].tolist(), row[lo:prev_len].tolist()
-        for j, t in enumerate(candidates):
-            if t.toks[:h] == head and t.toks[lo:] == tail and t.last_seen < self._call:
-                return candidates.pop(j)
-        return None
+    @staticmethod
+    def _holds(t: TrackedRequest, prev_len: int, head: list[int], tail: list[int]) -> bool:
+        """Whether ``t`` (committed length prev_len before the step) is the request in a row whose
+        first tokens are ``head`` and whose tokens before the step end in ``tail``."""
+        if t.num_tokens != prev_len:
+            return False
+        h = len(t.head)
+        m = min(TAIL_TOKENS, prev_len)
+        return head[:h] == t.head and tail[TAIL_TOKENS - m:] == t.toks[-m:]
+
+    def _place_moved(self, moved: list[int], decodes: list, rows_now: list, sampled_token_ids, token_ids_cpu,
+                     lens: list[int], prev: list[int], heads: list, tails: list) -> None:
+        """Rows whose request is not the one they held last call: another tracked request (the
+        batch condensed) or a new one."""
+        call = self._call
+        free = [t for t in self._requests if t.last_seen < call]
+        slot = 0
+        for i in moved:
+            while decodes[slot] is not None:
+                slot += 1
+            sampled = sampled_token_ids[i]
+            t = next((c for c in free if c.last_seen < call and self._holds(c, prev[i], heads[i], tails[i])), None)
+            if t is not None:
+                t.toks.extend(sampled)
+                decodes[slot] = Row(i, t, len(sampled), continued=True)
+            else:
+                t = self._new(token_ids_cpu[i, :lens[i]].tolist())
+                decodes[slot] = Row(i, t, len(sampled), continued=False)
+            t.last_seen = call
+            rows_now[i] = t
 
     def _new(self, toks: list[int]) -> TrackedRequest:
-        lk = self.lookup
-        t = TrackedRequest(self._next_id, toks, NgramIndex(toks, lk.min_n, lk.max_n, lk.max_match_length),
-                           first_len=len(toks), last_seen=self._call)
+        t = TrackedRequest(self._next_id, toks, toks[:HEAD_TOKENS], first_len=len(toks), last_seen=self._call)
         self._next_id += 1
         self._requests.append(t)
         return t

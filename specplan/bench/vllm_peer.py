@@ -1,0 +1,297 @@
+"""vLLM as a measured peer: vLLM with speculation off, at vLLM's own static n-gram k, and with
+specplan's plugin planning k; and specplan's engine on the same prompts, side by side.
+
+Per (workload, B) cell every arm generates the same prompts (the evaluation's workloads,
+specplan/bench/workloads.py), greedy, ``max_tokens`` each with EOS ignored, in waves of B at
+once (B = concurrency; at B below ``min_requests`` several waves, so a cell is not one prompt).
+All vLLM arms stay loaded (each its own engine-core process) and run interleaved, in an order
+rotated each repeat, so the machine's drift hits them alike; the report gives medians of the
+repeats and ratios within each repeat. Every vLLM arm's outputs are compared token for token
+with vLLM off (greedy: speculation must not change them). The engine arms (``engine:off``,
+``engine:<policy>``) run specplan's engine in this process on the same prompts.
+
+Run it from vLLM's environment (vLLM plus specplan, ``pip install --no-deps -e .``)::
+
+    python -m specplan.bench.vllm_peer --out reports/vllm-peer --profile VLLM_PROFILE.json
+
+Writes ``vllm-peer.json`` (every run, the machine, the command) and ``vllm-peer.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specplan.bench.workloads import WORKLOADS, load_workload
+
+PLUGIN = "specplan.integrations.vllm.SpecplanProposer"
+OFF = "vllm:off"
+
+
+@dataclass(frozen=True)
+class VllmArm:
+    """One vLLM configuration: its speculative config and the plugin's environment."""
+
+    name: str  # vllm:off, vllm:static:K (vLLM's n-gram), vllm:plugin:<policy>
+    speculative_config: dict | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def vllm_arms(static_ks: list[int], policies: list[str], profile: str | None, proposer: str = "ngram",
+              max_k: int = 8) -> list[VllmArm]:
+    arms = [VllmArm(OFF)]
+    for k in static_ks:
+        arms.append(VllmArm(f"vllm:static:{k}", {"method": "ngram", "num_speculative_tokens": k,
+                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 4}))
+    from specplan.integrations.vllm import PluginOptions
+
+    for policy in policies:
+        options = PluginOptions(policy=policy, profile=profile, proposer=proposer)
+        arms.append(VllmArm(f"vllm:plugin:{policy}", {"method": "custom_class", "model": PLUGIN,
+                                                      "num_speculative_tokens": max_k}, options.to_env()))
+    return arms
+
+
+class LoadedArm:
+    """A vLLM instance of one arm (engine core in its own process, started with the arm's env)."""
+
+    def __init__(self, arm: VllmArm, model_dir: Path, max_batch: int, max_model_len: int, seed: int,
+                 enforce_eager: bool = False):
+        from vllm import LLM
+
+        saved = {k: v for k, v in os.environ.items() if k.startswith("SPECPLAN_")}
+        for k in saved:
+            del os.environ[k]
+        os.environ.update(arm.env)
+        try:
+            self.llm = LLM(model=str(model_dir), dtype="float32", max_model_len=max_model_len, max_num_seqs=max_batch,
+                           seed=seed, speculative_config=arm.speculative_config, skip_tokenizer_init=True,
+                           enforce_eager=enforce_eager)
+        finally:
+            for k in arm.env:
+                os.environ.pop(k, None)
+            os.environ.update(saved)
+        self.arm = arm
+
+    def run(self, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        outputs = []
+        t0 = time.perf_counter()
+        for start in range(0, len(prompts), batch):  # waves of B: concurrency B
+            wave = [TokensPrompt(prompt_token_ids=p) for p in prompts[start:start + batch]]
+            outputs += [list(o.outputs[0].token_ids) for o in self.llm.generate(wave, params, use_tqdm=False)]
+        seconds = time.perf_counter() - t0
+        tokens = sum(map(len, outputs))
+        return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "outputs": outputs}
+
+
+class EngineArm:
+    """specplan's engine on the same prompts (bench/evaluate.py's engine and run_cell)."""
+
+    def __init__(self, name: str, loaded, engine, decider_factory):
+        self.name, self.loaded, self.engine, self.make = name, loaded, engine, decider_factory
+
+    def run(self, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
+        from specplan.bench.evaluate import run_cell
+
+        r = run_cell(self.engine, prompts, self.make(), max_tokens, concurrency=batch)
+        return {"seconds": r["seconds"], "output_tokens": r["output_tokens"], "tokens_per_s": r["goodput"],
+                "outputs": r["outputs"]}
+
+
+def engine_arms(model: str | None, policies: list[str], max_batch: int, profile: str | None) -> list[EngineArm]:
+    from specplan.adaptive import load_or_make_profile
+    from specplan.bench.evaluate import _engine
+    from specplan.engine import FixedDecider, load_model
+    from specplan.planner.from_profile import planner_from_profile
+    from specplan.policies import make_policy
+
+    loaded = load_model(model)
+    engine = _engine(loaded, "ngram", max_batch, 8)
+    arms = [EngineArm("engine:off", loaded, engine, lambda: FixedDecider(0))]
+    if policies:
+        prof = load_or_make_profile(loaded, profile)
+        for p in policies:
+            arms.append(EngineArm(f"engine:{p}", loaded, engine,
+                                  lambda p=p: planner_from_profile(prof, make_policy(p), proposer="ngram", max_k=8)))
+    return arms
+
+
+def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int], static_ks: list[int],
+             policies: list[str], profile: str | None, engine_policies: list[str] | None,
+             engine_profile: str | None, max_tokens: int, repeats: int, min_requests: int, seed: int = 0,
+             enforce_eager: bool = False, progress: bool = True) -> list[dict]:
+    """Every arm on every cell, ``repeats`` times interleaved; one dict per (cell, arm, repeat)."""
+    from rich.progress import Progress
+    from transformers import AutoTokenizer
+
+    from specplan.engine.model.loader import hf_model_dir
+
+    model_dir, _ = hf_model_dir(model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pools = {w: [p.render(tokenizer) for p in load_workload(w, max(*batch_sizes, min_requests), seed)]
+             for w in workloads}
+    longest = max(len(p) for pool in pools.values() for p in pool)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    arms: list = [LoadedArm(a, model_dir, max(batch_sizes), longest + max_tokens + 64, seed, enforce_eager)
+                  for a in vllm_arms(static_ks, policies, profile)]
+    if engine_policies is not None:
+        arms += engine_arms(model, engine_policies, max(batch_sizes), engine_profile)
+    names = [a.arm.name if isinstance(a, LoadedArm) else a.name for a in arms]
+    first = next(iter(pools.values()))[:1]
+    for a in arms:  # unrecorded: lazy compilation and first-touch costs land here, not in a cell
+        a.run(first, 1, 4)
+    runs = []
+    total = len(workloads) * len(batch_sizes) * repeats * len(arms)
+    with Progress(disable=not progress) as bar:
+        task = bar.add_task("vLLM peer", total=total)
+        for w in workloads:
+            for b in batch_sizes:
+                prompts = pools[w][:max(b, min_requests)]
+                for rep in range(repeats):
+                    shift = rep % len(arms)
+                    order = list(range(len(arms)))[shift:] + list(range(len(arms)))[:shift]
+                    cell = {}
+                    for i in order:
+                        bar.update(task, description=f"{w} B={b} {names[i]}")
+                        cell[names[i]] = arms[i].run(prompts, b, max_tokens)
+                        bar.advance(task)
+                    reference = cell[OFF]["outputs"]
+                    for name, r in cell.items():
+                        outputs = r.pop("outputs")
+                        runs.append({"workload": w, "batch_size": b, "arm": name, "repeat": rep,
+                                     "requests": len(prompts), "same_as_vllm_off": outputs == reference, **r})
+    for a in arms:
+        del a
+    gc.collect()
+    return runs
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (workload, B, arm): median tokens/s, and paired ratios (per repeat, then the
+    median) against vLLM off and vLLM's best static k of the cell."""
+    cells: dict[tuple, dict[str, dict[int, float]]] = {}
+    same: dict[tuple, bool] = {}
+    for r in runs:
+        key = (r["workload"], r["batch_size"])
+        cells.setdefault(key, {}).setdefault(r["arm"], {})[r["repeat"]] = r["tokens_per_s"]
+        same[key + (r["arm"],)] = same.get(key + (r["arm"],), True) and r["same_as_vllm_off"]
+    rows = []
+    for (w, b), arms in cells.items():
+        statics = {a: statistics.median(v.values()) for a, v in arms.items() if a.startswith("vllm:static:")}
+        best = max(statics, key=statics.get) if statics else None
+        for arm, by_rep in arms.items():
+            def paired(other: str | None) -> float | None:
+                if other is None or other not in arms:
+                    return None
+                return statistics.median(by_rep[i] / arms[other][i] for i in by_rep if i in arms[other])
+
+            rows.append({"workload": w, "batch_size": b, "arm": arm, "tokens_per_s": statistics.median(by_rep.values()),
+                         "vs_vllm_off": paired(OFF), "vs_vllm_best_static": paired(best), "best_static": best,
+                         "same_as_vllm_off": same[(w, b, arm)]})
+    return rows
+
+
+def render(runs: list[dict], out_dir: Path, command: str) -> Path:
+    from specplan.profiler.machine import describe, machine_info
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = summarize(runs)
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    import vllm
+
+    meta = {"command": command, "date": now, "machine": machine_info(), "vllm": vllm.__version__,
+            "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}}
+    (out_dir / "vllm-peer.json").write_text(json.dumps({**meta, "summary": rows, "runs": runs}, indent=1))
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    lines = [f"# vLLM as a peer: speculation off, vLLM's static n-gram k, specplan's plugin, specplan's engine", "",
+             f"Made by `{command}` on {now} with vLLM {vllm.__version__} "
+             f"({', '.join(f'{k}={v}' for k, v in meta['vllm_env'].items()) or 'vLLM-CPU defaults'}). "
+             f"{describe(meta['machine'])}", "",
+             "Tokens/s per arm (median of repeats); in brackets the paired ratio to vLLM off. "
+             "`same` = every output token for token equal to vLLM off (greedy).", "",
+             "| workload | B | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
+    by_cell: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        by_cell.setdefault((r["workload"], r["batch_size"]), {})[r["arm"]] = r
+    for (w, b), cell in by_cell.items():
+        parts = []
+        for a in arms:
+            r = cell.get(a)
+            if r is None:
+                parts.append("")
+                continue
+            ratio = f" ({r['vs_vllm_off']:.2f}x)" if r["vs_vllm_off"] is not None and a != OFF else ""
+            mark = "" if r["same_as_vllm_off"] or a.startswith("engine:") else " **differs**"
+            parts.append(f"{r['tokens_per_s']:.1f}{ratio}{mark}")
+        lines.append(f"| {w} | {b} | " + " | ".join(parts) + " |")
+    plugin_rows = [r for r in rows if r["arm"].startswith("vllm:plugin:") and r["vs_vllm_best_static"]]
+    if plugin_rows:
+        lines += ["", "Plugin vs vLLM's best static k of each cell (paired):", ""]
+        for arm in dict.fromkeys(r["arm"] for r in plugin_rows):
+            ratios = [r["vs_vllm_best_static"] for r in plugin_rows if r["arm"] == arm]
+            geo = math.exp(statistics.mean(math.log(x) for x in ratios))
+            lines.append(f"- {arm}: geo-mean {geo:.3f}x, worst cell {min(ratios):.3f}x ({len(ratios)} cells)")
+    engine_rows = [r for r in rows if r["arm"].startswith("engine:")]
+    if engine_rows:
+        lines += ["", "specplan's engine vs vLLM off, same prompts and tokens (paired):", ""]
+        for r in engine_rows:
+            lines.append(f"- {r['workload']} B={r['batch_size']} {r['arm']}: {r['vs_vllm_off']:.2f}x")
+    path = out_dir / "vllm-peer.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="vLLM off / static k / specplan's plugin, and specplan's engine, "
+                                             "on the evaluation's workloads x B")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--batch-sizes", default="1,4,16,32")
+    ap.add_argument("--static-ks", default="2,4", help="vLLM's own n-gram speculation at these k")
+    ap.add_argument("--policies", default="goodput", help="the plugin's policies (goodput needs --profile)")
+    ap.add_argument("--profile", default=None, help="a vLLM profile of the model (specplan profile --engine vllm)")
+    ap.add_argument("--engine-policies", default="goodput",
+                    help="specplan's engine arms beside engine:off ('none': no engine arms at all)")
+    ap.add_argument("--engine-profile", default=None, help="the engine's profile (default: cached or a fresh one)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--min-requests", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=Path("reports/vllm-peer"))
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="vLLM without torch.compile (starts in seconds, not minutes; not how vLLM serves by default)")
+    ap.add_argument("--vllm-reserved-cpus", type=int, default=None,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU: vLLM-CPU keeps one core per worker for its scheduler "
+                         "by default (on 2 cores its model runs on 1); 0 gives the model every core")
+    args = ap.parse_args(argv)
+    if args.vllm_reserved_cpus is not None:
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.vllm_reserved_cpus)
+
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x]
+
+    engine_policies = None if args.engine_policies == "none" else [p for p in args.engine_policies.split(",") if p]
+    runs = run_peer(model=args.model, workloads=args.workloads.split(","), batch_sizes=ints(args.batch_sizes),
+                    static_ks=ints(args.static_ks), policies=[p for p in args.policies.split(",") if p],
+                    profile=args.profile, engine_policies=engine_policies, engine_profile=args.engine_profile,
+                    max_tokens=args.max_tokens, repeats=args.repeats, min_requests=args.min_requests,
+                    enforce_eager=args.enforce_eager, progress=sys.stderr.isatty())
+    path = render(runs, args.out, "python -m specplan.bench.vllm_peer " + shlex.join(argv or sys.argv[1:]))
+    print(f"wrote {path} and {path.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
