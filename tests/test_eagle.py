@@ -134,18 +134,10 @@ def test_drafts_carry_the_heads_confidence(model, head_dir):
     llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(head_dir)})
     engine = llm.engine
     engine.add_request("r", prompts(96, 1)[0], SamplingParams(max_tokens=12, temperature=0.0))
-    seen = []
-    original = engine.speculator.proposer.propose
-
-    def spy(seqs, k):
-        d = original(seqs, k)
-        seen.append(d)
-        return d
-
-    engine.speculator.proposer.propose = spy
-    while engine.has_unfinished:
-        engine.step()
-    d = seen[0]
+    engine.step()  # prefill
+    seq = engine._by_request["r"][0]
+    assert engine.block_manager.ensure_capacity(seq, seq.num_computed_tokens + 4)
+    d = engine.speculator.proposer.propose([seq], [3])
     assert d.confidence is not None and len(d.confidence[0]) == len(d.token_ids[0]) == 3
     assert all(0 < c <= 1 for c in d.confidence[0])
     assert d.truncated([1]).confidence == [d.confidence[0][:1]]
@@ -253,3 +245,31 @@ def test_cli_reports_a_bad_head_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     res = CliRunner().invoke(app, ["generate", "hi", "--proposer", "ngram", "--draft-head", str(tmp_path)])
     assert res.exit_code == 2 and "--draft-head only applies" in res.output
+
+
+def test_train_draft_stages_write_a_head_the_engine_loads(model, tmp_path):
+    """features -> a few training steps -> export, on the tiny model with its own greedy outputs as
+    data: the folder loads in the engine (fingerprint, shapes, d2t/t2d) and drafts losslessly."""
+    from specplan.train_draft import TrainSettings, draft_vocabulary, export_head, extract_features, train_head
+
+    loaded = loaded_from_hf(model)
+    ps = prompts(96, 8, seed=21)
+    outs = tiny_llm(model).generate(ps, SamplingParams(max_tokens=24, temperature=0.0))
+    records = [{"source": "t", "id": str(i), "split": "heldout" if i < 2 else "train", "prompt_ids": p,
+                "response_ids": o.token_ids} for i, (p, o) in enumerate(zip(ps, outs))]
+    settings = TrainSettings(out=tmp_path / "head", work_dir=tmp_path, steps=4, batch_tokens=128, max_len=64,
+                             checkpoint_every=2, draft_vocab_size=48, command="test")
+    feats = extract_features(loaded, settings, records, LAYERS)
+    assert feats["captured"].shape == (feats["tokens"].shape[0], 3 * 64)
+    draft_ids = draft_vocabulary(records, 96, 48)
+    assert len(draft_ids) == 48 and bool((draft_ids[1:] > draft_ids[:-1]).all())
+    head, result = train_head(loaded, settings, feats, records, LAYERS, draft_ids)
+    assert result["proposals"] > 0 and len(result["per_position"]) == 3
+    assert (tmp_path / "train_state.pt").exists()  # resumable
+    path = export_head(loaded, settings, head, draft_ids, LAYERS, records, result)
+    doc = json.loads((path / "config.json").read_text())
+    assert doc["architectures"] == ["LlamaForCausalLMEagle3"] and doc["draft_vocab_size"] == 48
+    assert doc["specplan"]["command"] == "test" and doc["specplan"]["data"]["heldout_ids"] == ["0", "1"]
+    llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(path)})
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    assert [o.token_ids for o in llm.generate(ps, params)] == [o.token_ids for o in outs]
