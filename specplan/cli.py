@@ -29,8 +29,9 @@ def _root() -> None:
 
 
 PROPOSERS = ("ngram", "suffix", "layer-skip", "draft", "eagle", "chain")  # engine/proposers/factory.py
-# Commands without a --draft-model option take the proposers that need no second model.
-SELF_DRAFTING = ("ngram", "suffix", "layer-skip")
+# Commands without a --draft-model option take the proposers that need no second model (eagle and
+# chain use the head shipped for the model).
+SELF_DRAFTING = ("ngram", "suffix", "layer-skip", "eagle", "chain")
 DraftHead = Annotated[Optional[str], typer.Option(
     help="EAGLE-3 head folder for --proposer eagle/chain (default: the head shipped for the model; `specplan train-draft`).")]
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -248,7 +249,7 @@ def sweep(
     num_requests: Annotated[Optional[int], typer.Option(help="Requests per level instead of --duration-s.")] = None,
     out: Annotated[Path, typer.Option(help="Output folder (e.g. reports/<name>).")] = Path("reports/sweep"),
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
-    proposer: Annotated[str, typer.Option(help="ngram | suffix | layer-skip | draft.")] = "ngram",
+    proposer: Annotated[str, typer.Option(help="ngram | suffix | layer-skip | eagle | chain.")] = "ngram",
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached for this model and machine, or a fresh quick one).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for prompts and arrivals (the same requests for every policy).")] = 0,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request (max_tokens).")] = 128,

@@ -59,6 +59,9 @@ class TrainSettings:
     ttt_steps: int = 3
     train_lm_head: bool = False  # False: the output layer stays the target's embedding rows
     checkpoint_every: int = 25
+    # Loss weight of positions inside the prompt (the target's distribution there is a fair
+    # teacher too; on a CPU budget the prompts' tokens are data we already paid for).
+    prompt_weight: float = 0.25
     stop_after: str | None = None  # data | features | train
     data_minutes: float | None = None  # stop generating after this long; keep what exists (partial answers too)
     command: str = ""
@@ -108,7 +111,8 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
             if line.strip():
                 r = json.loads(line)
                 done[r["id"]] = r
-    todo = [r for r in pool if r["id"] not in done]
+    finished = settings.work_dir / "responses.done"  # the stage ran to its end (or its time limit)
+    todo = [] if finished.exists() else [r for r in pool if r["id"] not in done]
     if todo:
         llm = LLM(loaded=loaded, max_num_seqs=settings.max_num_seqs, max_model_len=2048)
         engine = llm.engine
@@ -144,6 +148,7 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
                     done[rid] = rec
                     tokens += len(out[0].token_ids)
                     bar.update(task, advance=1, info=f"{tokens / (time.perf_counter() - t0):.0f} tok/s")
+    finished.write_text(f"{len(done)} responses\n")
     return [done[r["id"]] for r in pool if r["id"] in done]
 
 
@@ -367,7 +372,8 @@ def _gather(feats: dict, seqs: list[_Seq], idx: list[int], target_rows: torch.Te
     captured = torch.zeros(B, T, feats["captured"].shape[1])
     final = torch.zeros(B, T, H)  # target final hidden at p + 1: its logits predict t_{p+2}
     answer = torch.full((B, T), -1, dtype=torch.int64)  # t_{p+2} (-1: none)
-    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)  # predicts a response token
+    in_prompt = torch.zeros(B, T, dtype=torch.bool)  # predicts a prompt token
     for b, i in enumerate(idx):
         s = seqs[i]
         n = s.length - 1
@@ -377,20 +383,23 @@ def _gather(feats: dict, seqs: list[_Seq], idx: list[int], target_rows: torch.Te
         final[b, :n] = feats["final"][a + 1:a + s.length].float()
         answer[b, :n - 1] = feats["tokens"][a + 2:a + s.length].long()
         p = torch.arange(n)
-        loss_mask[b, :n] = p + 2 >= s.prompt_len  # predicts a response token (or what follows it)
+        loss_mask[b, :n] = p + 2 >= s.prompt_len  # a response token (or what follows it)
+        in_prompt[b, :n] = p + 2 < s.prompt_len
     with torch.no_grad():
         target_logits = final @ target_rows.T  # [B, T, Vd]
-    return tokens, captured, target_logits, answer, loss_mask
+    return tokens, captured, target_logits, answer, loss_mask, in_prompt
 
 
-def _losses(logits: list[torch.Tensor], target_logits: torch.Tensor, loss_mask: torch.Tensor):
+def _losses(logits: list[torch.Tensor], target_logits: torch.Tensor, weight: torch.Tensor):
+    """Soft cross-entropy against the target's distribution over the draft vocabulary, per
+    unrolled step (step j weighted 0.8^j, as EAGLE-3); ``weight`` [B, T] per position."""
     target = target_logits.softmax(-1)  # [B, T, Vd]
     total, per_step = 0.0, []
     for j, lg in enumerate(logits):
-        mask = loss_mask.clone()
-        mask[:, :j] = False  # step j at p reads step j - 1 at p - 1: p >= j
+        w = weight.clone()
+        w[:, :j] = 0.0  # step j at p reads step j - 1 at p - 1: p >= j
         ce = -(target * lg.log_softmax(-1)).sum(-1)  # [B, T]
-        loss = (ce * mask).sum() / mask.sum().clamp(min=1)
+        loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
         per_step.append(float(loss.detach()))
         total = total + 0.8 ** j * loss
     return total, per_step
@@ -408,7 +417,7 @@ def heldout_acceptance(head: HeadModule, feats: dict, seqs: list[_Seq], target_r
     with torch.no_grad():
         for idx in _batches([seqs[i] for i in held], batch_tokens, random.Random(0)):
             idx = [held[i] for i in idx]
-            tokens, captured, _, answer, loss_mask = _gather(feats, seqs, idx, target_rows, draft_ids)
+            tokens, captured, _, answer, loss_mask, _ = _gather(feats, seqs, idx, target_rows, draft_ids)
             logits = head.unrolled(tokens, captured, steps)
             guess = torch.stack([draft_ids[lg.argmax(-1)] for lg in logits])  # [steps, B, T]
             for b in range(len(idx)):
@@ -460,7 +469,7 @@ def train_head(loaded, settings: TrainSettings, feats: dict, records: list[dict]
         torch.set_rng_state(state["rng"])
 
     def lr_at(s: int) -> float:
-        warm = 20
+        warm = max(1, min(20, settings.steps // 10))
         if s < warm:
             return settings.lr * (s + 1) / warm
         frac = (s - warm) / max(1, settings.steps - warm)
@@ -476,11 +485,12 @@ def train_head(loaded, settings: TrainSettings, feats: dict, records: list[dict]
         while step < settings.steps:
             epoch, within = divmod(step, per_epoch)
             idx = batches_of(epoch)[within]
-            tokens, captured, target_logits, answer, loss_mask = _gather(feats, seqs, idx, target_rows, draft_ids)
+            tokens, captured, target_logits, answer, loss_mask, in_prompt = _gather(feats, seqs, idx, target_rows, draft_ids)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             logits = head.unrolled(tokens, captured, settings.ttt_steps)
-            loss, per_step = _losses(logits, target_logits, loss_mask)
+            weight = loss_mask.float() + settings.prompt_weight * in_prompt.float()  # [B, T]
+            loss, per_step = _losses(logits, target_logits, weight)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
