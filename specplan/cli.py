@@ -409,6 +409,7 @@ def train_draft_cmd(
     out: Annotated[Path, typer.Option(help="Folder for the head (config.json + model.safetensors, vLLM's eagle3 layout).")] = Path("draft-head"),
     work_dir: Annotated[Path, typer.Option(help="Cache of the stages (responses, features, checkpoints): rerun to resume.")] = Path("draft-work"),
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
+    sources: Annotated[Optional[str], typer.Option(help="Comma-separated prompt sources to use (vicuna, mtbench, gsm8k, xsum, humaneval, gpqa; default: all).")] = None,
     prompts: Annotated[Optional[int], typer.Option(help="Prompts in the training pool (default: 238, chat-heavy; scaled per source).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Response tokens the target generates per prompt.")] = 256,
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 600,
@@ -437,6 +438,8 @@ def train_draft_cmd(
         check.choice(stop_after, ("data", "features"), "--stop-after")
     target_layers = tuple(check.int_list(layers, "--layers", 0)) if layers is not None else None
     quotas = dict(DEFAULT_QUOTAS)
+    if sources is not None:
+        quotas = {k: quotas[k] for k in check.choices(sources, tuple(DEFAULT_QUOTAS), "--sources")}
     if prompts is not None:
         total = sum(quotas.values())
         quotas = {k: max(1, round(v * prompts / total)) for k, v in quotas.items()}

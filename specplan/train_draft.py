@@ -20,6 +20,7 @@ Four stages, each cached in the work folder so a run resumes where it stopped:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -63,6 +64,9 @@ class TrainSettings:
     # teacher too; on a CPU budget the prompts' tokens are data we already paid for).
     prompt_weight: float = 0.25
     stop_after: str | None = None  # data | features | train
+    # Record the target's features while it generates (no second pass; hard targets: the target's
+    # own greedy tokens) instead of a separate forward with its final hidden state (soft targets).
+    features_in_generation: bool = True
     data_minutes: float | None = None  # stop generating after this long; keep what exists (partial answers too)
     command: str = ""
 
@@ -100,6 +104,40 @@ def _progress() -> Progress:
                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
 
 
+class FeatureRecorder:
+    """A proposer that never drafts (the decider asks k = 0) and keeps, per sequence, the target's
+    captured features of every token the engine feeds: generation and feature extraction in one
+    pass (on a shared 2-core CPU a second forward over the data costs as much as generating it)."""
+
+    name = "feature-recorder"
+    proposes_prefixes = False
+
+    def __init__(self, layers: tuple[int, ...]):
+        self.target_layers = tuple(layers)
+        self.rows: dict[int, dict[int, torch.Tensor]] = {}  # seq_id -> position -> [3H] fp16
+
+    def observe_target(self, work, captured: torch.Tensor) -> None:
+        row = 0
+        for w in work:
+            kept = self.rows.setdefault(w.seq.seq_id, {})
+            for j in range(len(w.token_ids)):
+                kept[w.start_position + j] = captured[row + j].to(torch.float16)
+            row += len(w.token_ids)
+
+    def propose(self, seqs, k):
+        raise AssertionError("the feature recorder never drafts (run it with k = 0)")
+
+    def on_finished(self, seq) -> None:
+        pass
+
+    def features(self, seq_id: int, length: int) -> torch.Tensor | None:
+        """[length, 3H] for positions 0..length-1, None if some were never fed."""
+        kept = self.rows.pop(seq_id, {})
+        if any(p not in kept for p in range(length)):
+            return None
+        return torch.stack([kept[p] for p in range(length)])
+
+
 def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> list[dict]:
     """The target's greedy response to every prompt, appended to responses.jsonl as each finishes."""
     from specplan.engine import LLM, SamplingParams
@@ -113,14 +151,36 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
                 done[r["id"]] = r
     finished = settings.work_dir / "responses.done"  # the stage ran to its end (or its time limit)
     todo = [] if finished.exists() else [r for r in pool if r["id"] not in done]
+    recorder = None
     if todo:
-        llm = LLM(loaded=loaded, max_num_seqs=settings.max_num_seqs, max_model_len=2048)
+        llm = LLM(loaded=loaded, max_num_seqs=settings.max_num_seqs, max_model_len=2048,
+                  speculative_config={"proposer": "ngram", "k": 0} if settings.features_in_generation else None)
         engine = llm.engine
+        if settings.features_in_generation:
+            from specplan.engine import FixedDecider
+
+            recorder = FeatureRecorder(settings.target_layers)
+            engine.set_proposer(recorder)
+            engine.set_decider(FixedDecider(0))
+        feature_chunks = []
         params = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
         for r in todo:
             engine.add_request(r["id"], r["prompt_ids"][-(2048 - settings.max_tokens - 1):], params)
         by_id = {r["id"]: r for r in todo}
         t0, tokens = time.perf_counter(), 0
+
+        def keep(rec: dict, seq_id: int) -> bool:
+            """With features recorded: keep the answer's features (every fed position: the prompt and
+            all but the last response token) in the order answers are written."""
+            if recorder is None:
+                return True
+            n = len(rec["prompt_ids"]) + len(rec["response_ids"]) - 1
+            rows = recorder.features(seq_id, n)
+            if rows is None:
+                return False
+            feature_chunks.append((rec["id"], rows))
+            return True
+
         with _progress() as bar, path.open("a") as f:
             task = bar.add_task("data: target responses", total=len(todo), info="")
             pending = set(by_id)
@@ -132,22 +192,30 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
                         out = engine.outputs(rid)
                         if out and len(out[0].token_ids) >= 16:
                             rec = {**by_id[rid], "response_ids": out[0].token_ids, "partial": True}
-                            f.write(json.dumps(rec) + "\n")
-                            done[rid] = rec
+                            if keep(rec, engine._by_request[rid][0].seq_id):
+                                f.write(json.dumps(rec) + "\n")
+                                done[rid] = rec
                         engine.abort_request(rid)
                     break
                 engine.step()
                 for rid in list(pending):
+                    seq_id = engine._by_request[rid][0].seq_id if rid in engine._by_request else None
                     out = engine.pop_finished(rid)
                     if out is None:
                         continue
                     pending.discard(rid)
                     rec = {**by_id[rid], "response_ids": out[0].token_ids}
+                    if not keep(rec, seq_id):
+                        continue
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
                     done[rid] = rec
                     tokens += len(out[0].token_ids)
                     bar.update(task, advance=1, info=f"{tokens / (time.perf_counter() - t0):.0f} tok/s")
+    if recorder is not None and feature_chunks:
+        from safetensors.torch import save_file
+
+        save_file({rid: rows for rid, rows in feature_chunks}, str(settings.work_dir / f"recorded-{int(time.time())}.safetensors"))
     finished.write_text(f"{len(done)} responses\n")
     return [done[r["id"]] for r in pool if r["id"] in done]
 
@@ -166,6 +234,23 @@ def extract_features(loaded, settings: TrainSettings, records: list[dict], layer
     path = settings.work_dir / "features.safetensors"
     if path.exists():
         return load_file(str(path))
+    recorded = sorted(settings.work_dir.glob("recorded-*.safetensors"))
+    if recorded:  # features kept during generation: no final hidden (hard targets)
+        rows = {}
+        for f in recorded:
+            rows.update(load_file(str(f)))
+        toks, caps, starts, prompt_lens = [], [], [0], []
+        for r in records:
+            ids = r["prompt_ids"] + r["response_ids"]
+            cap = rows[r["id"]]  # [len - 1, 3H]
+            toks.append(torch.tensor(ids, dtype=torch.int32))
+            caps.append(torch.cat([cap, torch.zeros(1, cap.shape[1], dtype=cap.dtype)]))  # the last token: never fed
+            starts.append(starts[-1] + len(ids))
+            prompt_lens.append(len(r["prompt_ids"]))
+        feats = {"tokens": torch.cat(toks), "captured": torch.cat(caps),
+                 "starts": torch.tensor(starts, dtype=torch.int64), "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int64)}
+        save_file(feats, str(path))
+        return feats
     model = Model(loaded.config, loaded.weights, "cpu", torch.float32)
     block = 16
     kv = allocate_kv_cache(loaded.config, settings.max_len // block + 1, block, torch.float32, torch.device("cpu"))
@@ -367,9 +452,10 @@ def _gather(feats: dict, seqs: list[_Seq], idx: list[int], target_rows: torch.Te
     """Padded tensors for sequences idx: head inputs at positions p = 0..T-2 and what they predict."""
     T = max(seqs[i].length for i in idx) - 1
     B = len(idx)
-    H = feats["final"].shape[1]
+    H = feats["final"].shape[1] if "final" in feats else 0
     tokens = torch.zeros(B, T, dtype=torch.int64)  # t_{p+1}
     captured = torch.zeros(B, T, feats["captured"].shape[1])
+    H = feats["captured"].shape[1] // 3 if "final" not in feats else H
     final = torch.zeros(B, T, H)  # target final hidden at p + 1: its logits predict t_{p+2}
     answer = torch.full((B, T), -1, dtype=torch.int64)  # t_{p+2} (-1: none)
     loss_mask = torch.zeros(B, T, dtype=torch.bool)  # predicts a response token
@@ -380,25 +466,36 @@ def _gather(feats: dict, seqs: list[_Seq], idx: list[int], target_rows: torch.Te
         a = s.start
         tokens[b, :n] = feats["tokens"][a + 1:a + s.length].long()
         captured[b, :n] = feats["captured"][a:a + n].float()
-        final[b, :n] = feats["final"][a + 1:a + s.length].float()
+        if "final" in feats:
+            final[b, :n] = feats["final"][a + 1:a + s.length].float()
         answer[b, :n - 1] = feats["tokens"][a + 2:a + s.length].long()
         p = torch.arange(n)
         loss_mask[b, :n] = p + 2 >= s.prompt_len  # a response token (or what follows it)
         in_prompt[b, :n] = p + 2 < s.prompt_len
     with torch.no_grad():
-        target_logits = final @ target_rows.T  # [B, T, Vd]
+        if "final" in feats:
+            target_logits = final @ target_rows.T  # [B, T, Vd]
+        else:  # hard targets: the token that followed, where it has a draft id (else no loss)
+            in_draft = torch.full((int(draft_ids.max()) + 2,), -1, dtype=torch.int64)
+            in_draft[draft_ids] = torch.arange(len(draft_ids))
+            target_logits = in_draft[answer.clamp(min=0, max=len(in_draft) - 1)].masked_fill(answer < 0, -1)  # [B, T]
     return tokens, captured, target_logits, answer, loss_mask, in_prompt
 
 
 def _losses(logits: list[torch.Tensor], target_logits: torch.Tensor, weight: torch.Tensor):
     """Soft cross-entropy against the target's distribution over the draft vocabulary, per
     unrolled step (step j weighted 0.8^j, as EAGLE-3); ``weight`` [B, T] per position."""
-    target = target_logits.softmax(-1)  # [B, T, Vd]
+    hard = target_logits.dtype == torch.int64  # [B, T] draft ids (-1: none) instead of logits
+    target = None if hard else target_logits.softmax(-1)  # [B, T, Vd]
     total, per_step = 0.0, []
     for j, lg in enumerate(logits):
         w = weight.clone()
         w[:, :j] = 0.0  # step j at p reads step j - 1 at p - 1: p >= j
-        ce = -(target * lg.log_softmax(-1)).sum(-1)  # [B, T]
+        if hard:
+            w = w * (target_logits >= 0)
+            ce = F.cross_entropy(lg.transpose(1, 2), target_logits.clamp(min=0), reduction="none")  # [B, T]
+        else:
+            ce = -(target * lg.log_softmax(-1)).sum(-1)  # [B, T]
         loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
         per_step.append(float(loss.detach()))
         total = total + 0.8 ** j * loss
@@ -499,7 +596,7 @@ def train_head(loaded, settings: TrainSettings, feats: dict, records: list[dict]
                 m = loss_mask & (answer >= 0)
                 acc0 = float(((draft_ids[logits[0].argmax(-1)] == answer) & m).sum() / m.sum().clamp(min=1))
             step += 1
-            bar.update(task, advance=1, info=f"epoch {epoch} loss {float(loss):.3f} "
+            bar.update(task, advance=1, info=f"epoch {epoch} loss {float(loss.detach()):.3f} "
                                              f"({', '.join(f'{x:.2f}' for x in per_step)}) top-1 {acc0:.2f}")
             if step % settings.checkpoint_every == 0 or step == settings.steps:
                 trainable = {k: v for k, v in head.state_dict().items()}
@@ -524,9 +621,12 @@ def run(settings: TrainSettings, echo=print) -> Path | None:
     layers = settings.target_layers or (2, c.num_layers // 2, c.num_layers - 3)
     if list(layers) != sorted(set(layers)) or not all(0 <= i < c.num_layers for i in layers):
         raise ValueError(f"--layers must be ascending layer ids in [0, {c.num_layers}), got {list(layers)}")
+    settings = dataclasses.replace(settings, target_layers=tuple(layers))
     pool = training_pool(loaded.tokenizer, settings.quotas, settings.heldout_fraction, settings.seed)
     records = generate_responses(loaded, settings, pool)
     num_tokens = sum(len(r["response_ids"]) for r in records)
+    if not records:
+        raise ValueError(f"no responses were generated in {settings.data_minutes} minutes; raise --data-minutes")
     echo(f"data: {len(records)} responses ({sum(r['split'] == 'heldout' for r in records)} held out), "
          f"{num_tokens} response tokens ({time.perf_counter() - t_start:.0f} s so far)")
     if settings.stop_after == "data":

@@ -273,3 +273,24 @@ def test_train_draft_stages_write_a_head_the_engine_loads(model, tmp_path):
     llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(path)})
     params = SamplingParams(max_tokens=24, temperature=0.0)
     assert [o.token_ids for o in llm.generate(ps, params)] == [o.token_ids for o in outs]
+
+
+def test_features_recorded_during_generation_equal_a_second_pass(model, tmp_path):
+    """train-draft's default data stage keeps the target's features while it generates (a k = 0
+    proposer reading them): the same rows a separate forward over prompt + answer captures."""
+    import dataclasses
+
+    from specplan.train_draft import TrainSettings, extract_features, generate_responses
+
+    loaded = loaded_from_hf(model)
+    loaded = dataclasses.replace(loaded, weights={k: v.float() for k, v in loaded.weights.items()})
+    pool = [{"source": "t", "id": f"p{i}", "split": "train", "prompt_ids": p} for i, p in enumerate(prompts(96, 5, seed=8))]
+    settings = TrainSettings(out=tmp_path / "head", work_dir=tmp_path / "a", max_tokens=12, target_layers=LAYERS)
+    settings.work_dir.mkdir()
+    records = generate_responses(loaded, settings, pool)
+    assert [len(r["response_ids"]) for r in records] == [12] * 5
+    recorded = extract_features(loaded, settings, records, LAYERS)
+    second = extract_features(loaded, dataclasses.replace(settings, work_dir=tmp_path), records, LAYERS)
+    for r, a in zip(records, recorded["starts"][:-1].tolist()):
+        n = len(r["prompt_ids"]) + len(r["response_ids"]) - 1  # every fed position
+        assert torch.allclose(recorded["captured"][a:a + n].float(), second["captured"][a:a + n].float(), atol=2e-2)
