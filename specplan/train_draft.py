@@ -216,7 +216,8 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
         from safetensors.torch import save_file
 
         save_file({rid: rows for rid, rows in feature_chunks}, str(settings.work_dir / f"recorded-{int(time.time())}.safetensors"))
-    finished.write_text(f"{len(done)} responses\n")
+    if done:  # an empty stage (cut off before any answer) runs again next time
+        finished.write_text(f"{len(done)} responses\n")
     return [done[r["id"]] for r in pool if r["id"] in done]
 
 
