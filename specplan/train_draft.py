@@ -153,7 +153,9 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
     todo = [] if finished.exists() else [r for r in pool if r["id"] not in done]
     recorder = None
     if todo:
-        llm = LLM(loaded=loaded, max_num_seqs=settings.max_num_seqs, max_model_len=2048,
+        # KV for every running answer at full length: with the engine's default 512 MiB (11k tokens
+        # of SmolLM2-135M) 64 answers preempt each other and none finishes.
+        llm = LLM(loaded=loaded, max_num_seqs=settings.max_num_seqs, max_model_len=2048, kv_cache_bytes=3 * 1024**3,
                   speculative_config={"proposer": "ngram", "k": 0} if settings.features_in_generation else None)
         engine = llm.engine
         if settings.features_in_generation:
