@@ -138,10 +138,14 @@ class EngineConfig:
 class SpecConfig:
     """Speculative decoding: which proposer, and the most drafts per request per step."""
 
-    proposer: str = "ngram"  # ngram | suffix | layer-skip | draft
+    proposer: str = "ngram"  # ngram | suffix | layer-skip | draft | eagle | chain
     k: int = 4  # drafts per request for the fixed-k decider (a planner decides otherwise)
     max_k: int = 8  # cap on any decider's choice (bounds lookahead slots and verify width)
     draft_model: str | None = None  # for "draft": HF directory or .gguf with the target's vocabulary
     draft_layers: int = 4  # for "layer-skip": the target's first N layers
+    # For "eagle" and "chain": an EAGLE-3 head folder (`specplan train-draft`); None: the head
+    # shipped for the target (engine/proposers/heads/).
+    draft_head: str | None = None
+    chain_min_match: int = 3  # for "chain": n-gram drafts where the match is at least this long
     ngram_min: int = 1
     ngram_max: int = 4

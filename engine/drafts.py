@@ -58,6 +58,10 @@ class DraftTokens:
     # match); None for proposers without one. Longer matches are accepted far more often
     # (measured: reports/README.md#engine-measurements).
     match_length: list[int] | None = None
+    # Per request, per draft token: the proposer's own probability of that token (a model draft:
+    # the head's softmax for greedy requests, q(token) for sampled ones); None for proposers
+    # without one (lookup drafts). A planner may stop drafting where it falls (issue #33).
+    confidence: list[list[float]] | None = None
     seconds: float = 0.0  # wall time spent proposing
 
     def num_drafts(self, i: int) -> int:
@@ -74,4 +78,6 @@ class DraftTokens:
             [None if q is None else q[:ki] for q, ki in zip(self.draft_probs, k, strict=True)],
             trees=None if self.trees is None else
             [None if t is None else t.prefix(ki) for t, ki in zip(self.trees, k, strict=True)],
-            natural_k=self.natural_k, match_length=self.match_length, seconds=self.seconds)
+            natural_k=self.natural_k, match_length=self.match_length,
+            confidence=None if self.confidence is None else
+            [c[:ki] for c, ki in zip(self.confidence, k, strict=True)], seconds=self.seconds)

@@ -23,9 +23,11 @@ from .model.loader import LoadedModel, load_model
 from .metrics import SpecStats
 from .model.transformer import Model
 from .model_runner import ModelRunner, ScheduledSeq, allocate_kv_cache, kv_bytes_per_block
-from .proposers.base import Proposer
+from .proposers.base import Proposer, ReadsTargetFeatures
 from .proposers.draft_model import DraftModelProposer
-from .proposers.factory import make_draft_model, make_proposer
+from .proposers.chain import ChainProposer
+from .proposers.eagle import EagleProposer
+from .proposers.factory import draft_kv_config, make_draft_model, make_proposer
 from .sampling import SamplingParams, TokenLogprob, token_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -83,8 +85,8 @@ class LLMEngine:
         spec = config.spec
         draft = make_draft_model(spec, self.model, config, draft_loaded) if spec is not None else None
         per_block = kv_bytes_per_block(loaded.config, block_size, config.dtype)
-        if draft is not None and not draft.shares_target_kv:
-            per_block += kv_bytes_per_block(draft.model.config, block_size, config.dtype)
+        if (draft_kv := draft_kv_config(draft)) is not None:
+            per_block += kv_bytes_per_block(draft_kv, block_size, config.dtype)
         num_blocks = config.cache.kv_cache_bytes // per_block
         self.block_manager = BlockManager(num_blocks, block_size)
         kv = allocate_kv_cache(loaded.config, num_blocks, block_size, config.dtype, self.model.device)
@@ -173,7 +175,7 @@ class LLMEngine:
         if proposer is None:
             spec = self.config.spec
             old = self.speculator.proposer
-            draft = old.draft if isinstance(old, DraftModelProposer) else None
+            draft = old.draft if isinstance(old, DraftModelProposer | EagleProposer | ChainProposer) else None
             if draft is None:
                 draft = make_draft_model(spec, self.model, self.config)
             proposer = make_proposer(spec, draft, self.runner, self.block_manager, self.default_generator)
@@ -259,6 +261,11 @@ class LLMEngine:
         """One forward pass over all the work: logits [sum(num_logits), V] fp32, and the number of
         query tokens it fed."""
         batch = self.runner.build_batch(work, self.block_manager)
+        reader = self.speculator.proposer if self.speculator is not None else None
+        if isinstance(reader, ReadsTargetFeatures):  # an EAGLE-3 head drafts from this pass's features
+            logits, captured = self.runner.execute_capturing(batch, reader.target_layers)
+            reader.observe_target(work, captured)
+            return logits, batch.num_tokens
         return self.runner.execute(batch), batch.num_tokens
 
     def _verify(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> list[Verdict]:

@@ -143,6 +143,12 @@ class ModelRunner:
         hidden = self.model.forward(batch, self.layer_caches, self.block_size)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
+    def execute_capturing(self, batch: TokenBatch, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``execute``, also returning the residual stream entering ``layers`` for every query
+        token: (logits as execute, captured [N, len(layers) * hidden]) for an EAGLE-3 head."""
+        hidden, captured = self.model.forward_capturing(batch, self.layer_caches, self.block_size, layers)
+        return self.model.compute_logits(hidden[batch.logits_indices]), captured
+
 
 def _tree_bits(scheduled: list[ScheduledSeq]) -> list[int]:
     """Per query token of the batch: its tree node's _ancestor_bits, 0 outside trees."""

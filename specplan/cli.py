@@ -31,14 +31,17 @@ def _root() -> None:
     """specplan: adaptive speculative decoding, planned from the roofline."""
 
 
-PROPOSERS = ("ngram", "suffix", "layer-skip", "draft")  # engine/proposers/factory.py
-# Commands without a --draft-model option take the proposers that need no second model.
-SELF_DRAFTING = ("ngram", "suffix", "layer-skip")
+PROPOSERS = ("ngram", "suffix", "layer-skip", "draft", "eagle", "chain")  # engine/proposers/factory.py
+# Commands without a --draft-model option take the proposers that need no second model (eagle and
+# chain use the head shipped for the model).
+SELF_DRAFTING = ("ngram", "suffix", "layer-skip", "eagle", "chain")
+DraftHead = Annotated[Optional[str], typer.Option(
+    help="EAGLE-3 head folder for --proposer eagle/chain (default: the head shipped for the model; `specplan train-draft`).")]
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 def _check_speculation(proposer: str | None, spec_k: int | None, max_k: int | None, draft_model: str | None,
-                       draft_layers: int, model: str | None) -> None:
+                       draft_layers: int, model: str | None, draft_head: str | None = None) -> None:
     """The options shared by generate and serve, before anything loads."""
     check.model_path(model)
     if proposer is not None:
@@ -49,6 +52,11 @@ def _check_speculation(proposer: str | None, spec_k: int | None, max_k: int | No
     if proposer == "draft" and draft_model is None:
         fail("--proposer draft needs a draft model; pass --draft-model PATH (a model with the target's vocabulary)")
     check.model_path(draft_model, "--draft-model")
+    if draft_head is not None:
+        if proposer not in ("eagle", "chain"):
+            fail("--draft-head only applies with --proposer eagle or chain; add one of them or drop it")
+        if not Path(draft_head).is_dir():
+            fail(f"--draft-head {draft_head} is not a folder; pass the folder `specplan train-draft --out` wrote")
 
 
 def _check_adaptive(adaptive: bool, policy: str | None, profile: str | None, sla_itl_ms: float | None) -> None:
@@ -73,10 +81,11 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per prompt.")] = False,
-    proposer: Annotated[Optional[str], typer.Option(help="Speculate with: ngram | suffix | layer-skip | draft.")] = None,
+    proposer: Annotated[Optional[str], typer.Option(help="Speculate with: ngram | suffix | layer-skip | draft | eagle | chain.")] = None,
     spec_k: Annotated[int, typer.Option(help="Draft tokens per request per step (with --proposer).")] = 4,
     draft_model: Annotated[Optional[str], typer.Option(help="Draft model for --proposer draft.")] = None,
     draft_layers: Annotated[int, typer.Option(help="Target layers kept by --proposer layer-skip.")] = 4,
+    draft_head: DraftHead = None,
     adaptive: Annotated[bool, typer.Option(help="Let the planner choose k per request per step.")] = False,
     policy: Annotated[Optional[str], typer.Option(help="Planner policy, e.g. goodput, static:4, heuristic (with --adaptive).")] = None,
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (with --adaptive; default: cached or a fresh quick one).")] = None,
@@ -94,7 +103,7 @@ def generate(
     check.at_least(top_k, 0, "--top-k")
     if stop is not None and not all(stop):
         fail("--stop got an empty string; pass the text to stop at, e.g. --stop '\\n\\n'")
-    _check_speculation(proposer, spec_k, None, draft_model, draft_layers, model)
+    _check_speculation(proposer, spec_k, None, draft_model, draft_layers, model, draft_head)
     _check_adaptive(adaptive, policy, profile, sla_itl_ms)
     from specplan.engine import LLM, SamplingParams, load_model
 
@@ -105,7 +114,7 @@ def generate(
     spec = None
     if proposer is not None:
         spec = {"proposer": proposer, "k": spec_k, "max_k": max(spec_k, 8), "draft_model": draft_model,
-                "draft_layers": draft_layers}
+                "draft_layers": draft_layers, "draft_head": draft_head}
     t0 = time.perf_counter()
     loaded = load_model(model, quantize=quantize)
     decider = store = None
@@ -154,11 +163,12 @@ ENGINES = ("specplan", "vllm")
 def serve(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
-    proposer: Annotated[Optional[str], typer.Option(help="Speculate with: ngram | suffix | layer-skip | draft (default: no speculation).")] = None,
+    proposer: Annotated[Optional[str], typer.Option(help="Speculate with: ngram | suffix | layer-skip | draft | eagle | chain (default: no speculation).")] = None,
     spec_k: Annotated[int, typer.Option(help="Draft tokens per request per step (fixed-k decider, with --proposer).")] = 4,
     max_k: Annotated[Optional[int], typer.Option(help="Cap on any request's k, also a forced spec.k (default: max(spec-k, 8)).")] = None,
     draft_model: Annotated[Optional[str], typer.Option(help="Draft model for --proposer draft.")] = None,
     draft_layers: Annotated[int, typer.Option(help="Target layers kept by --proposer layer-skip.")] = 4,
+    draft_head: DraftHead = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
@@ -188,7 +198,7 @@ def serve(
         return
     if ctx.args:
         fail(f"unknown option(s) {' '.join(ctx.args)}; see `specplan serve --help` (options for vLLM go with --engine vllm)")
-    _check_speculation(proposer, spec_k, max_k, draft_model, draft_layers, model)
+    _check_speculation(proposer, spec_k, max_k, draft_model, draft_layers, model, draft_head)
     _check_adaptive(adaptive, policy, profile, sla_itl_ms)
     for value, option in ((max_num_seqs, "--max-num-seqs"), (max_num_batched_tokens, "--max-num-batched-tokens"),
                           (max_model_len, "--max-model-len"), (kv_cache_mib, "--kv-cache-mib")):
@@ -212,7 +222,7 @@ def serve(
         if store is not None:
             decider = saver = SavesBeliefs(decider, store)  # every minute, and at shutdown below
     engine = build_engine(model, proposer=proposer, spec_k=spec_k, max_k=max_k, draft_model=draft_model,
-                          draft_layers=draft_layers, max_num_seqs=max_num_seqs,
+                          draft_layers=draft_layers, draft_head=draft_head, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           kv_cache_bytes=kv_cache_mib * 1024**2, decider=decider, loaded=loaded)
     spec_line = f"{proposer} k={spec_k}" if proposer else "no speculation"
@@ -357,7 +367,7 @@ def sweep(
     num_requests: Annotated[Optional[int], typer.Option(help="Requests per level instead of --duration-s.")] = None,
     out: Annotated[Path, typer.Option(help="Output folder (e.g. reports/<name>).")] = Path("reports/sweep"),
     model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
-    proposer: Annotated[str, typer.Option(help="ngram | suffix | layer-skip | draft.")] = "ngram",
+    proposer: Annotated[str, typer.Option(help="ngram | suffix | layer-skip | eagle | chain.")] = "ngram",
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached for this model and machine, or a fresh quick one).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for prompts and arrivals (the same requests for every policy).")] = 0,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request (max_tokens).")] = 128,
@@ -517,6 +527,53 @@ def evaluate_cmd(
     path = render_evaluation(pd.concat(frames, ignore_index=True), out,
                              "specplan " + shlex.join(sys.argv[1:]))
     typer.echo(f"wrote {path}")
+
+
+@app.command("train-draft")
+@reports_errors
+def train_draft_cmd(
+    out: Annotated[Path, typer.Option(help="Folder for the head (config.json + model.safetensors, vLLM's eagle3 layout).")] = Path("draft-head"),
+    work_dir: Annotated[Path, typer.Option(help="Cache of the stages (responses, features, checkpoints): rerun to resume.")] = Path("draft-work"),
+    model: Annotated[Optional[str], typer.Option(help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")] = None,
+    sources: Annotated[Optional[str], typer.Option(help="Comma-separated prompt sources to use (vicuna, mtbench, gsm8k, xsum, humaneval, gpqa; default: all).")] = None,
+    prompts: Annotated[Optional[int], typer.Option(help="Prompts in the training pool (default: 238, chat-heavy; scaled per source).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Response tokens the target generates per prompt.")] = 256,
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 600,
+    batch_tokens: Annotated[int, typer.Option(help="Tokens per training batch (padded).")] = 4096,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate (peak).")] = 1e-3,
+    ttt_steps: Annotated[int, typer.Option(help="Unrolled drafting steps in training (EAGLE-3's training-time test).")] = 3,
+    draft_vocab: Annotated[int, typer.Option(help="Draft vocabulary size (the target's most frequent tokens).")] = 8192,
+    layers: Annotated[Optional[str], typer.Option(help="Target layers read, e.g. 2,15,27 (default: 2, L/2, L-3 as vLLM).")] = None,
+    train_lm_head: Annotated[bool, typer.Option(help="Train the output layer too (default: keep the target's embedding rows).")] = False,
+    seed: Annotated[int, typer.Option(help="Seed for the prompt split, batches and initialisation.")] = 0,
+    stop_after: Annotated[Optional[str], typer.Option(help="Stop after a stage: data | features.")] = None,
+    data_minutes: Annotated[Optional[float], typer.Option(help="Generate responses for at most this long (keeps what exists, partial answers too).")] = None,
+) -> None:
+    """Train an EAGLE-3 draft head for the model on this machine (self-distillation; resumable)."""
+    import shlex
+
+    from specplan.train_draft import DEFAULT_QUOTAS, TrainSettings, run
+
+    for value, option in ((max_tokens, "--max-tokens"), (steps, "--steps"), (batch_tokens, "--batch-tokens"),
+                          (ttt_steps, "--ttt-steps"), (draft_vocab, "--draft-vocab"), (prompts, "--prompts")):
+        check.at_least(value, 1, option)
+    check.positive(lr, "--lr")
+    check.positive(data_minutes, "--data-minutes")
+    check.model_path(model)
+    if stop_after is not None:
+        check.choice(stop_after, ("data", "features"), "--stop-after")
+    target_layers = tuple(check.int_list(layers, "--layers", 0)) if layers is not None else None
+    quotas = dict(DEFAULT_QUOTAS)
+    if sources is not None:
+        quotas = {k: quotas[k] for k in check.choices(sources, tuple(DEFAULT_QUOTAS), "--sources")}
+    if prompts is not None:
+        total = sum(quotas.values())
+        quotas = {k: max(1, round(v * prompts / total)) for k, v in quotas.items()}
+    settings = TrainSettings(out=out, work_dir=work_dir, model=model, seed=seed, quotas=quotas, max_tokens=max_tokens,
+                             steps=steps, batch_tokens=batch_tokens, lr=lr, ttt_steps=ttt_steps,
+                             draft_vocab_size=draft_vocab, target_layers=target_layers, train_lm_head=train_lm_head,
+                             stop_after=stop_after, data_minutes=data_minutes, command="specplan " + shlex.join(sys.argv[1:]))
+    run(settings, echo=typer.echo)
 
 
 app.add_typer(bench_app, name="bench")

@@ -117,6 +117,22 @@ class Model:
         layer_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, KVH, D]
         (``layer_caches(allocate_kv_cache(...))``, made once per cache).
         """
+        return self._forward(batch, layer_caches, block_size, ())[0]
+
+    @torch.inference_mode()
+    def forward_capturing(self, batch: TokenBatch, layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                          block_size: int, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``, also keeping the residual stream that enters each of ``layers`` (ascending):
+        (hidden [N, hidden], captured [N, len(layers) * hidden], layer by layer). That is the
+        feature EAGLE-3 heads read (vLLM's ``aux_hidden_states``: layer i's input, i.e. Hugging
+        Face's ``hidden_states[i]``); the same pass, just a copy of h at each of those layers."""
+        hidden, captured = self._forward(batch, layer_caches, block_size, layers)
+        return hidden, torch.cat(captured, dim=-1)
+
+    def _forward(self, batch: TokenBatch, layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, capture: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if list(capture) != sorted(set(capture)) or not all(0 <= i < len(self.layers) for i in capture):
+            raise ValueError(f"capture layers must be ascending and in [0, {len(self.layers)}), got {capture}")
         c = self.config
         # On CPU a C++ kernel reads K/V in place through the block tables; tree-masked batches and
         # other devices use the torch reference, which gathers each sequence's K/V.
@@ -128,9 +144,21 @@ class Model:
         norms = [layer.input_norm for layer in self.layers] + [self.final_norm]
         h = self.embed[batch.input_ids]  # [N, hidden], the residual stream (updated in place)
         x = ops.add_rms_norm_(h, None, norms[0], eps)  # [N, hidden]
+        captured: list[torch.Tensor] = []  # per capture layer, h entering it [N, hidden]
         if use_kernel and self.kernel_stack is not None:  # the same kernels as the loop below, called from C++
-            return self.kernel_stack(h, x, batch, layer_caches)
+            # Captures split the C++ call into runs of layers, e.g. capture (2, 15) on 30 layers:
+            # layers [0, 2), copy h, [2, 15), copy h, [15, 30).
+            done = 0
+            for i in (*capture, len(self.layers)):
+                if i > done:
+                    x = self.kernel_stack(h, x, batch, layer_caches, done, i)
+                    done = i
+                if i < len(self.layers):
+                    captured.append(h.clone())
+            return x, captured
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, layer_caches, strict=True)):
+            if i in capture:
+                captured.append(h.clone())
             q = ops.rope_write_kv(layer.qkv(x), batch.positions, self.rope_cos, self.rope_sin, k_cache, v_cache,
                                   batch.slot_mapping, c.num_heads, c.num_kv_heads)  # [N, H, D]
             if use_kernel:
@@ -139,7 +167,7 @@ class Model:
                 attn = paged_attention(q, k_cache, v_cache, plan, self.scale)  # [N, H, D]
             x = ops.add_rms_norm_(h, layer.o(attn.view(n, self.q_size)), layer.post_norm, eps)
             x = ops.add_rms_norm_(h, layer.down(ops.silu_mul(layer.gate_up(x))), norms[i + 1], eps)
-        return x
+        return x, captured
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -181,11 +209,15 @@ class _KernelStack:
                             c.rms_norm_eps)
 
     def __call__(self, h: torch.Tensor, x: torch.Tensor, batch: TokenBatch,
-                 layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """h [N, hidden] residual stream (updated in place), x [N, hidden] the first layer's normed
-        input -> the final-normed hidden states [N, hidden]."""
+                 layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], first: int = 0,
+                 end: int | None = None) -> torch.Tensor:
+        """h [N, hidden] residual stream (updated in place), x [N, hidden] the normed input of layer
+        ``first`` -> the input of layer ``end`` normed by its input norm (end = all layers: the
+        final-normed hidden states [N, hidden])."""
+        end = len(layer_caches) if end is None else end
         return torch.ops.specplan_ops.decoder_layers(
-            h, x, self.weights, self.biases, [t for kv in layer_caches for t in kv],
+            h, x, self.weights[6 * first:6 * end], self.biases[2 * first:2 * end],
+            [t for kv in layer_caches[first:end] for t in kv],
             batch.positions, batch.slot_mapping, self.rope_cos, self.rope_sin,
             batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.tree_bits,
             self.num_heads, self.scale, self.sliding_window, self.eps)

@@ -7,10 +7,15 @@ engine/spec_decode/__init__.py.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
 
 from ..drafts import DraftTokens, DraftTree  # noqa: F401  (re-exported: the proposer's answer)
 from ..sequence import Sequence
+
+if TYPE_CHECKING:
+    from ..model_runner import ScheduledSeq
 
 
 @runtime_checkable
@@ -29,4 +34,17 @@ class Proposer(Protocol):
 
     def on_finished(self, seq: Sequence) -> None:
         """A sequence finished (proposers that learn across requests may keep its output)."""
+        ...
+
+
+@runtime_checkable
+class ReadsTargetFeatures(Protocol):
+    """A proposer that drafts from the target's own hidden states (an EAGLE-3 head): the engine
+    keeps the residual stream entering ``target_layers`` in every forward it runs and hands it over."""
+
+    target_layers: tuple[int, ...]
+
+    def observe_target(self, work: list["ScheduledSeq"], captured: torch.Tensor) -> None:
+        """captured [N, len(target_layers) * hidden]: the features of every query token of the
+        forward that ran ``work`` (batch order), rejected drafts included."""
         ...

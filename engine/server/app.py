@@ -433,8 +433,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
 
 # ---- building and serving ---------------------------------------------------------------------------
 def build_engine(model: str | None = None, *, proposer: str | None = None, spec_k: int = 4, max_k: int | None = None,
-                 draft_model: str | None = None, draft_layers: int = 4, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, max_model_len: int = 2048, kv_cache_bytes: int = 512 * 1024**2,
+                 draft_model: str | None = None, draft_layers: int = 4, draft_head: str | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 2048, kv_cache_bytes: int = 512 * 1024**2,
                  block_size: int = 16, seed: int = 0, decider: SpecDecider | None = None, loaded=None,
                  dtype=None) -> LLMEngine:
     """The engine a server runs. ``decider``: who picks k per request per step (None: fixed ``spec_k``)."""
@@ -443,7 +443,7 @@ def build_engine(model: str | None = None, *, proposer: str | None = None, spec_
     spec = None
     if proposer is not None:
         spec = SpecConfig(proposer=proposer, k=spec_k, max_k=max_k if max_k is not None else max(spec_k, 8),
-                          draft_model=draft_model, draft_layers=draft_layers)
+                          draft_model=draft_model, draft_layers=draft_layers, draft_head=draft_head)
     config = EngineConfig(
         model=model, dtype=dtype or torch.float32, seed=seed, spec=spec,
         cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes),

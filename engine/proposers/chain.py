@@ -1,0 +1,67 @@
+"""Chained proposer: n-gram lookup where the context offers a long match, the EAGLE-3 head otherwise.
+
+Per request and per step: a lookup whose match is at least ``min_match`` tokens long is accepted
+far more often than a short one (reports/README.md#engine-measurements) and costs nothing, so
+those requests take the lookup's drafts; every other request drafts with the head. The head's
+features keep arriving for all requests (``observe_target``), so it catches up whenever a request
+comes back to it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..drafts import DraftTokens
+from ..sequence import Sequence
+from .eagle import EagleProposer
+from .ngram import NgramProposer
+
+
+class ChainProposer:
+    name = "chain"
+    proposes_prefixes = False  # the head's share costs a forward per draft token
+
+    def __init__(self, lookup: NgramProposer, head: EagleProposer, min_match: int = 3):
+        if min_match < 1:
+            raise ValueError(f"min_match must be >= 1, got {min_match}")
+        self.lookup = lookup
+        self.head = head
+        self.draft = head.draft  # the drafter the engine reuses
+        self.min_match = min_match
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return self.head.target_layers
+
+    def observe_target(self, work, captured: torch.Tensor) -> None:
+        self.head.observe_target(work, captured)
+
+    def propose(self, seqs: list[Sequence], k: list[int]) -> DraftTokens:
+        """Lookup drafts for requests with a match of >= min_match tokens, head drafts for the
+        rest. ``confidence`` holds the head's probabilities, nan for lookup tokens (no probability)."""
+        t0 = time.perf_counter()
+        looked = self.lookup.propose(seqs, k)
+        by_lookup = [bool(looked.token_ids[i]) and looked.match_length[i] >= self.min_match for i in range(len(seqs))]
+        head_k = [0 if by_lookup[i] else ki for i, ki in enumerate(k)]
+        drafted = self.head.propose(seqs, head_k) if any(head_k) else None
+        tokens, confidence, probs = [], [], []
+        for i in range(len(seqs)):
+            if by_lookup[i]:
+                tokens.append(looked.token_ids[i])
+                confidence.append([math.nan] * len(looked.token_ids[i]))
+                probs.append(None)  # one-hot: the verifier's default for drafts without q
+            else:
+                tokens.append(drafted.token_ids[i] if drafted is not None else [])
+                confidence.append(drafted.confidence[i] if drafted is not None else [])
+                probs.append(drafted.draft_probs[i] if drafted is not None and drafted.draft_probs is not None
+                             else None)
+        return DraftTokens(token_ids=tokens, draft_probs=probs if any(p is not None for p in probs) else None,
+                           natural_k=looked.natural_k, match_length=looked.match_length, confidence=confidence,
+                           seconds=time.perf_counter() - t0)
+
+    def on_finished(self, seq: Sequence) -> None:
+        self.lookup.on_finished(seq)
+        self.head.on_finished(seq)

@@ -1,0 +1,296 @@
+"""The EAGLE-3 head proposer: the target's captured features, lossless drafting (greedy and sampled),
+the training math equal to the engine's, and bad heads refused in one line."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import loaded_from_hf, tiny_hf_model, tiny_llm
+from specplan.engine import SamplingParams
+from specplan.engine.batch import TokenBatch
+from specplan.engine.model.transformer import Model
+from specplan.engine.model_runner import allocate_kv_cache, layer_caches
+from specplan.engine.proposers.eagle import EagleHead, HeadConfig, HeadError, read_head, target_fingerprint, write_head
+from specplan.train_draft import HeadModule
+
+LAYERS = (0, 1, 3)
+DRAFT_VOCAB = 64  # of the tiny model's 96
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_hf_model("llama", num_hidden_layers=4)
+
+
+def make_head(model, path, seed: int = 5, draft_vocab: int = DRAFT_VOCAB, fingerprint: bool = True) -> HeadModule:
+    """A random head for ``model`` written to ``path`` (fp16 on disk, as shipped)."""
+    loaded = loaded_from_hf(model)
+    c = loaded.config
+    g = torch.Generator().manual_seed(seed)
+    draft_ids = torch.randperm(c.vocab_size, generator=g)[:draft_vocab].sort().values
+    embed = loaded.weights["model.embed_tokens.weight"].float()
+    target = Model(c, loaded.weights, "cpu", torch.float32, packed_linears=False)
+    config = HeadConfig.for_target(c, draft_vocab, LAYERS)
+    torch.manual_seed(seed)
+    head = HeadModule(config, embed, embed[draft_ids].clone(), target.rope_cos, target.rope_sin, train_lm_head=True)
+    with torch.no_grad():
+        for p in head.parameters():  # random everything, large enough that drafts vary
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 2 else 0.2) + (1.0 if p.dim() == 1 else 0.0))
+    if fingerprint:
+        config = HeadConfig(**{**config.__dict__, "target_fingerprint": target_fingerprint(c, embed)})
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    weights = {**head.state_dict(), "d2t": draft_ids - torch.arange(draft_vocab), "t2d": t2d}
+    write_head(path, config.to_json(c, {"command": "test"}), weights)
+    head.load_state_dict({k: v.half().float() for k, v in head.state_dict().items()}, strict=False)  # as stored
+    return head
+
+
+@pytest.fixture(scope="module")
+def head_dir(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("head")
+    make_head(model, path)
+    return path
+
+
+def prompts(vocab: int, n: int = 6, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(3, 12))] for _ in range(n)]
+
+
+def one_sequence_batch(ids: list[int]) -> TokenBatch:
+    n = len(ids)
+    return TokenBatch(input_ids=torch.tensor(ids), positions=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                      seq_lens=torch.tensor([n], dtype=torch.int32), slot_mapping=torch.arange(n),
+                      block_tables=torch.arange(n // 4 + 1, dtype=torch.int32)[None], logits_indices=torch.arange(n),
+                      query_lens_host=[n], seq_lens_host=[n])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # the Python loop, the C++ layer stack
+def test_captured_features_are_hf_hidden_states(model, dtype):
+    loaded = loaded_from_hf(model)
+    target = Model(loaded.config, loaded.weights, "cpu", dtype)
+    ids = prompts(96, 1)[0]
+    caches = layer_caches(allocate_kv_cache(loaded.config, 8, 4, dtype, torch.device("cpu")))
+    hidden, captured = target.forward_capturing(one_sequence_batch(ids), caches, 4, LAYERS)
+    with torch.no_grad():
+        hf = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    want = torch.cat([hf[i][0] for i in LAYERS], dim=-1).to(dtype)  # layer i's input
+    tol = 1e-9 if dtype == torch.float64 else 1e-4
+    assert torch.allclose(captured, want, atol=tol, rtol=tol)
+    plain = target.forward(one_sequence_batch(ids), caches, 4)
+    assert torch.equal(hidden, plain)  # capturing changes nothing else
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "chain"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_speculation_with_the_head_is_lossless(model, head_dir, proposer, k):
+    ps = prompts(96)
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    expected = [o.token_ids for o in tiny_llm(model).generate(ps, params)]
+    llm = tiny_llm(model, speculative_config={"proposer": proposer, "k": k, "draft_head": str(head_dir)})
+    assert [o.token_ids for o in llm.generate(ps, params)] == expected
+    st = llm.engine.stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_mixed_k_with_zero_steps_and_preemption_is_lossless(model, head_dir):
+    """k = 0 on some steps (features keep arriving, the head catches up later) and preemption
+    (its cache restarts): same tokens as without speculation."""
+    class Alternating:  # per request and step: 0, 1, 2 or 3 drafts, changing every step
+        def __init__(self):
+            self.calls = 0
+
+        def decide(self, view):
+            self.calls += 1
+            return [(self.calls + r.seq_id) % 4 for r in view.requests]
+
+        def observe(self, record):
+            pass
+
+    ps = prompts(96, 8, seed=9)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    expected = [o.token_ids for o in tiny_llm(model).generate(ps, params)]
+    from specplan.engine.model_runner import kv_bytes_per_block
+
+    loaded = loaded_from_hf(model)
+    per_block = 2 * kv_bytes_per_block(loaded.config, 4, torch.float64)
+    llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(head_dir)},
+                   decider=Alternating(), kv_cache_bytes=per_block * 40)
+    outs = llm.generate(ps, params)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.num_preemptions for o in outs) > 0, "no preemption: the test would not cover it"
+    assert llm.engine.stats.num_accepted_tokens > 0
+
+
+def test_drafts_carry_the_heads_confidence(model, head_dir):
+    llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(head_dir)})
+    engine = llm.engine
+    engine.add_request("r", prompts(96, 1)[0], SamplingParams(max_tokens=12, temperature=0.0))
+    engine.step()  # prefill
+    seq = engine._by_request["r"][0]
+    assert engine.block_manager.ensure_capacity(seq, seq.num_computed_tokens + 4)
+    d = engine.speculator.proposer.propose([seq], [3])
+    assert d.confidence is not None and len(d.confidence[0]) == len(d.token_ids[0]) == 3
+    assert all(0 < c <= 1 for c in d.confidence[0])
+    assert d.truncated([1]).confidence == [d.confidence[0][:1]]
+
+
+def test_training_math_is_the_engines_math_for_every_unrolled_step(model, head_dir):
+    """HeadModule.unrolled (training-time test) gives the logits the engine's drafting does: step 0
+    over target features, and steps 1, 2 chained on the head's own output, when the sequence's
+    tokens are the head's own drafts (the teacher-forced tokens then equal the drafted ones)."""
+    loaded = loaded_from_hf(model)
+    trainer = make_head(model, head_dir.parent / "again")  # the same weights as head_dir (same seed)
+    llm = tiny_llm(model, dtype=torch.float32, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(head_dir)})
+    engine = llm.engine
+    engine.add_request("r", prompts(96, 1, seed=4)[0], SamplingParams(max_tokens=10, temperature=0.0))
+    proposer = engine.speculator.proposer
+    captured_rows = []
+    observe = proposer.observe_target
+    proposer.observe_target = lambda work, cap: (captured_rows.append(cap.clone()), observe(work, cap))
+    engine.step()  # prefill: the prompt's features
+    seq = engine._by_request["r"][0]
+    c = seq.num_computed_tokens
+    assert engine.block_manager.ensure_capacity(seq, c + 4)  # the lookahead slots the drafts write
+    drafts = proposer.propose([seq], [3])
+    d = drafts.token_ids[0]
+    tokens = seq.token_ids[:c + 1] + d  # x_0..x_c, then the head's drafts
+    captured = torch.cat(captured_rows)[:c]  # [c, 3H] target positions 0..c-1
+    T = c + 2  # head positions 0..c+1
+    cap = torch.zeros(1, T, captured.shape[1])
+    cap[0, :c] = captured
+    with torch.no_grad():
+        logits = trainer.unrolled(torch.tensor([tokens[1:T + 1]]), cap, 3)
+    draft_ids = torch.arange(DRAFT_VOCAB) + read_head(head_dir)[1]["d2t"]
+    for j in range(3):
+        p = c - 1 + j  # step j's position
+        assert int(draft_ids[logits[j][0, p].argmax()]) == d[j]
+        assert abs(float(logits[j][0, p].softmax(-1).max()) - drafts.confidence[0][j]) < 1e-4
+
+
+def test_sampled_speculation_with_the_head_keeps_the_target_distribution(model, head_dir):
+    """Sampled tokens 2 and 3 (the first is the prefill's, then one step with a head draft whose
+    q enters rejection sampling) follow the target's exact marginals (chi-square)."""
+    prompt = prompts(96, 1, seed=11)[0]
+    n, V = 3000, 96
+    params = SamplingParams(max_tokens=3, temperature=1.0, n=n, seed=123)
+    llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 2, "draft_head": str(head_dir)},
+                   max_num_seqs=n, max_num_batched_tokens=40_000, kv_cache_bytes=64 * 1024**2)
+    outs = llm.generate([prompt], params)
+    st = llm.engine.stats
+    assert st.num_draft_tokens >= n and 0 < st.num_accepted_tokens < st.num_draft_tokens
+    with torch.no_grad():  # exact marginals of tokens 2 and 3 from the target (all V^2 contexts at once)
+        p0 = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)  # [V]
+        ctx1 = torch.tensor([prompt + [a] for a in range(V)])
+        p1 = model(ctx1).logits[:, -1].double().softmax(-1)  # [V, V]: p(t1 | t0)
+        ctx2 = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        p2 = model(ctx2).logits[:, -1].double().softmax(-1).view(V, V, V)  # p(t2 | t0, t1)
+    joint01 = p0[:, None] * p1  # [V, V]
+    marginals = [p0 @ p1, (joint01[:, :, None] * p2).sum((0, 1))]
+    for position, want in zip((1, 2), marginals):
+        got = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=V).double()
+        support = want * n >= 5
+        obs = torch.cat([got[support], got[~support].sum()[None]])
+        exp = torch.cat([want[support], want[~support].sum()[None]]) * n
+        assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-4, position
+
+
+def test_a_head_for_another_model_or_vocabulary_is_refused(model, tmp_path, head_dir):
+    other = tiny_hf_model("llama", num_hidden_layers=4, seed=7)  # same shapes, other weights
+    llm_loaded = loaded_from_hf(other)
+    target = Model(llm_loaded.config, llm_loaded.weights, "cpu", torch.float64)
+    with pytest.raises(HeadError, match="another model"):
+        EagleHead.load(head_dir, target)
+    small = tiny_hf_model("llama", num_hidden_layers=4, vocab_size=80)
+    make_head(small, tmp_path / "small", draft_vocab=40)
+    mine = loaded_from_hf(model)
+    with pytest.raises(HeadError, match="vocabulary of 80"):
+        EagleHead.load(tmp_path / "small", Model(mine.config, mine.weights, "cpu", torch.float64))
+
+
+def test_a_corrupt_head_is_refused_in_one_line(model, tmp_path, head_dir):
+    import shutil
+
+    loaded = loaded_from_hf(model)
+    target = Model(loaded.config, loaded.weights, "cpu", torch.float64)
+    bad = tmp_path / "bad"
+    shutil.copytree(head_dir, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(HeadError, match="corrupt") as e:
+        EagleHead.load(bad, target)
+    assert "\n" not in str(e.value)
+    cfg = json.loads((head_dir / "config.json").read_text())
+    shutil.copy(head_dir / "model.safetensors", bad / "model.safetensors")
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(HeadError, match="not an EAGLE-3 head"):
+        EagleHead.load(bad, target)
+    with pytest.raises(HeadError, match="not a draft head folder"):
+        EagleHead.load(tmp_path / "missing", target)
+
+
+def test_cli_reports_a_bad_head_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from specplan.cli import app
+
+    (tmp_path / "config.json").write_text("{}")
+    res = CliRunner().invoke(app, ["generate", "hi", "--proposer", "ngram", "--draft-head", str(tmp_path)])
+    assert res.exit_code == 2 and "--draft-head only applies" in res.output
+
+
+def test_train_draft_stages_write_a_head_the_engine_loads(model, tmp_path):
+    """features -> a few training steps -> export, on the tiny model with its own greedy outputs as
+    data: the folder loads in the engine (fingerprint, shapes, d2t/t2d) and drafts losslessly."""
+    from specplan.train_draft import TrainSettings, draft_vocabulary, export_head, extract_features, train_head
+
+    loaded = loaded_from_hf(model)
+    ps = prompts(96, 8, seed=21)
+    outs = tiny_llm(model).generate(ps, SamplingParams(max_tokens=24, temperature=0.0))
+    records = [{"source": "t", "id": str(i), "split": "heldout" if i < 2 else "train", "prompt_ids": p,
+                "response_ids": o.token_ids} for i, (p, o) in enumerate(zip(ps, outs))]
+    settings = TrainSettings(out=tmp_path / "head", work_dir=tmp_path, steps=4, batch_tokens=128, max_len=64,
+                             checkpoint_every=2, draft_vocab_size=48, command="test")
+    feats = extract_features(loaded, settings, records, LAYERS)
+    assert feats["captured"].shape == (feats["tokens"].shape[0], 3 * 64)
+    draft_ids = draft_vocabulary(records, 96, 48)
+    assert len(draft_ids) == 48 and bool((draft_ids[1:] > draft_ids[:-1]).all())
+    head, result = train_head(loaded, settings, feats, records, LAYERS, draft_ids)
+    assert result["proposals"] > 0 and len(result["per_position"]) == 3
+    assert (tmp_path / "train_state.pt").exists()  # resumable
+    path = export_head(loaded, settings, head, draft_ids, LAYERS, records, result)
+    doc = json.loads((path / "config.json").read_text())
+    assert doc["architectures"] == ["LlamaForCausalLMEagle3"] and doc["draft_vocab_size"] == 48
+    assert doc["specplan"]["command"] == "test" and doc["specplan"]["data"]["heldout_ids"] == ["0", "1"]
+    llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(path)})
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    assert [o.token_ids for o in llm.generate(ps, params)] == [o.token_ids for o in outs]
+
+
+def test_features_recorded_during_generation_equal_a_second_pass(model, tmp_path):
+    """train-draft's default data stage keeps the target's features while it generates (a k = 0
+    proposer reading them): the same rows a separate forward over prompt + answer captures."""
+    import dataclasses
+
+    from specplan.train_draft import TrainSettings, extract_features, generate_responses
+
+    loaded = loaded_from_hf(model)
+    loaded = dataclasses.replace(loaded, weights={k: v.float() for k, v in loaded.weights.items()})
+    pool = [{"source": "t", "id": f"p{i}", "split": "train", "prompt_ids": p} for i, p in enumerate(prompts(96, 5, seed=8))]
+    settings = TrainSettings(out=tmp_path / "head", work_dir=tmp_path / "a", max_tokens=12, target_layers=LAYERS)
+    settings.work_dir.mkdir()
+    records = generate_responses(loaded, settings, pool)
+    assert [len(r["response_ids"]) for r in records] == [12] * 5
+    recorded = extract_features(loaded, settings, records, LAYERS)
+    second = extract_features(loaded, dataclasses.replace(settings, work_dir=tmp_path), records, LAYERS)
+    for r, a in zip(records, recorded["starts"][:-1].tolist()):
+        n = len(r["prompt_ids"]) + len(r["response_ids"]) - 1  # every fed position
+        assert torch.allclose(recorded["captured"][a:a + n].float(), second["captured"][a:a + n].float(), atol=2e-2)
