@@ -114,12 +114,14 @@ class FeatureRecorder:
 
     def __init__(self, layers: tuple[int, ...]):
         self.target_layers = tuple(layers)
-        self.rows: dict[int, dict[int, torch.Tensor]] = {}  # seq_id -> position -> [3H] fp16
+        # request_id -> position -> [3H] fp16 (keyed by request: train-draft asks n = 1 per prompt,
+        # and the request id is what the caller holds when an answer finishes)
+        self.rows: dict[str, dict[int, torch.Tensor]] = {}
 
     def observe_target(self, work, captured: torch.Tensor) -> None:
         row = 0
         for w in work:
-            kept = self.rows.setdefault(w.seq.seq_id, {})
+            kept = self.rows.setdefault(w.seq.request_id, {})
             for j in range(len(w.token_ids)):
                 kept[w.start_position + j] = captured[row + j].to(torch.float16)
             row += len(w.token_ids)
@@ -130,9 +132,9 @@ class FeatureRecorder:
     def on_finished(self, seq) -> None:
         pass
 
-    def features(self, seq_id: int, length: int) -> torch.Tensor | None:
+    def features(self, request_id: str, length: int) -> torch.Tensor | None:
         """[length, 3H] for positions 0..length-1, None if some were never fed."""
-        kept = self.rows.pop(seq_id, {})
+        kept = self.rows.pop(request_id, {})
         if any(p not in kept for p in range(length)):
             return None
         return torch.stack([kept[p] for p in range(length)])
@@ -166,18 +168,21 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
             engine.set_decider(FixedDecider(0))
         feature_chunks = []
         params = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
-        for r in todo:
-            engine.add_request(r["id"], r["prompt_ids"][-(2048 - settings.max_tokens - 1):], params)
-        by_id = {r["id"]: r for r in todo}
+        # The prompt as fed (cut from the left to fit the context with the answer) is the one the
+        # record keeps: the recorded features cover exactly its positions.
+        keep_prompt = engine.max_model_len - settings.max_tokens
+        by_id = {r["id"]: {**r, "prompt_ids": r["prompt_ids"][-keep_prompt:]} for r in todo}
+        for r in by_id.values():
+            engine.add_request(r["id"], r["prompt_ids"], params)
         t0, tokens = time.perf_counter(), 0
 
-        def keep(rec: dict, seq_id: int) -> bool:
+        def keep(rec: dict) -> bool:
             """With features recorded: keep the answer's features (every fed position: the prompt and
             all but the last response token) in the order answers are written."""
             if recorder is None:
                 return True
             n = len(rec["prompt_ids"]) + len(rec["response_ids"]) - 1
-            rows = recorder.features(seq_id, n)
+            rows = recorder.features(rec["id"], n)
             if rows is None:
                 return False
             feature_chunks.append((rec["id"], rows))
@@ -194,20 +199,19 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
                         out = engine.outputs(rid)
                         if out and len(out[0].token_ids) >= 16:
                             rec = {**by_id[rid], "response_ids": out[0].token_ids, "partial": True}
-                            if keep(rec, engine._by_request[rid][0].seq_id):
+                            if keep(rec):
                                 f.write(json.dumps(rec) + "\n")
                                 done[rid] = rec
                         engine.abort_request(rid)
                     break
                 engine.step()
                 for rid in list(pending):
-                    seq_id = engine._by_request[rid][0].seq_id if rid in engine._by_request else None
                     out = engine.pop_finished(rid)
                     if out is None:
                         continue
                     pending.discard(rid)
                     rec = {**by_id[rid], "response_ids": out[0].token_ids}
-                    if not keep(rec, seq_id):
+                    if not keep(rec):
                         continue
                     f.write(json.dumps(rec) + "\n")
                     f.flush()

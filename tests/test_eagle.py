@@ -294,3 +294,32 @@ def test_features_recorded_during_generation_equal_a_second_pass(model, tmp_path
     for r, a in zip(records, recorded["starts"][:-1].tolist()):
         n = len(r["prompt_ids"]) + len(r["response_ids"]) - 1  # every fed position
         assert torch.allclose(recorded["captured"][a:a + n].float(), second["captured"][a:a + n].float(), atol=2e-2)
+
+
+def test_generation_keeps_prompts_cut_to_the_context(model, tmp_path):
+    """A prompt longer than the context leaves room for the answer: train-draft cuts it from the
+    left to what the engine can hold, and the record keeps that cut prompt, so the features
+    recorded during generation cover exactly its positions (before: the prompt was cut for a fixed
+    2048-token context, the 512-token tiny model refused it, and a cut prompt never matched its
+    record's length, so its answer was dropped)."""
+    import dataclasses
+
+    from specplan.train_draft import TrainSettings, extract_features, generate_responses
+
+    loaded = loaded_from_hf(model)
+    loaded = dataclasses.replace(loaded, weights={k: v.float() for k, v in loaded.weights.items()})
+    context = model.config.max_position_embeddings  # 512
+    rng = random.Random(4)
+    long_prompt = [rng.randrange(96) for _ in range(context + 40)]
+    pool = [{"source": "t", "id": "long", "split": "train", "prompt_ids": long_prompt},
+            {"source": "t", "id": "short", "split": "train", "prompt_ids": prompts(96, 1, seed=8)[0]}]
+    settings = TrainSettings(out=tmp_path / "head", work_dir=tmp_path / "a", max_tokens=12, target_layers=LAYERS)
+    settings.work_dir.mkdir()
+    records = generate_responses(loaded, settings, pool)
+    assert [r["id"] for r in records] == ["long", "short"]
+    assert records[0]["prompt_ids"] == long_prompt[-(context - 12):]
+    assert [len(r["response_ids"]) for r in records] == [12, 12]
+    recorded = extract_features(loaded, settings, records, LAYERS)
+    second = extract_features(loaded, dataclasses.replace(settings, work_dir=tmp_path), records, LAYERS)
+    n = len(records[0]["prompt_ids"]) + 12 - 1
+    assert torch.allclose(recorded["captured"][:n].float(), second["captured"][:n].float(), atol=2e-2)
