@@ -80,7 +80,7 @@ class ForcedDrafts:
             self.out.write(json.dumps({
                 "rows": rows, "decoding": decoding, "k": self._k, "seconds": start - self._end,
                 "warm": prev % 2 == 1, "pass": prev // (2 * len(self.ks)),
-                "query_tokens": _scheduled_tokens(slot_mappings),
+                "query_tokens": scheduled_tokens(slot_mappings),
                 # KV tokens the step read, its drafts aside (cell_rows adds them): each request's
                 # committed tokens, the one the step fed included.
                 "context_tokens": int(np.asarray(num_tokens_no_spec[:rows]).sum()),
@@ -99,10 +99,11 @@ class ForcedDrafts:
         """vLLM asks every drafter to load its model; random drafts need none."""
 
 
-def _scheduled_tokens(slot_mappings: Any) -> int | None:
-    """The step's query tokens from vLLM's slot mapping (one slot per scheduled token)."""
+def scheduled_tokens(slot_mappings: Any) -> int | None:
+    """The step's query tokens: vLLM's slot mapping holds one slot per scheduled token (per layer
+    name, or per micro-batch); None when it is absent or of another shape. The plugin reads it too."""
     if isinstance(slot_mappings, list):
-        parts = [_scheduled_tokens(m) for m in slot_mappings]
+        parts = [scheduled_tokens(m) for m in slot_mappings]
         return sum(parts) if parts and None not in parts else None
     if isinstance(slot_mappings, dict) and slot_mappings:
         shape = getattr(next(iter(slot_mappings.values())), "shape", None)

@@ -59,7 +59,7 @@ import numpy as np
 from specplan.engine.decider import RequestRecord, RequestView, StepRecord, StepView
 from specplan.planner import Planner, PlannerConfig, planner_from_profile
 from specplan.policies import make_policy
-from specplan.profiler.vllm_timer import VLLM_KERNELS_PREFIX, vllm_kernels
+from specplan.profiler.vllm_timer import VLLM_KERNELS_PREFIX, scheduled_tokens, vllm_kernels
 
 from .vllm_lookup import LOOKUPS, Found, Lookup, make_lookup
 from .vllm_rows import BatchRows, RowTracker
@@ -336,7 +336,7 @@ class PlanningDrafter:
                                         t.natural_k, t.match_length))
             accepted += num_accepted
         self.stats.drafts_accepted += accepted
-        total_tokens = _scheduled_tokens(slot_mappings)
+        total_tokens = scheduled_tokens(slot_mappings)
         prefill_tokens = (max(0, total_tokens - decode_tokens) if total_tokens is not None
                           else new_prompt_tokens + len(batch.prefill_rows))
         own = min(self._prev_own_s, total_s)
@@ -393,18 +393,6 @@ class PlanningDrafter:
         tmp = self.stats_path.with_suffix(self.stats_path.suffix + ".tmp")
         tmp.write_text(json.dumps({**asdict(self.stats), "pid": os.getpid()}))
         tmp.replace(self.stats_path)  # readers never see half a file
-
-
-def _scheduled_tokens(slot_mappings: Any) -> int | None:
-    """The step's query tokens: vLLM's slot mapping holds one slot per scheduled token (per layer
-    name, or per micro-batch); None when it is absent or of another shape."""
-    if isinstance(slot_mappings, list):
-        parts = [_scheduled_tokens(m) for m in slot_mappings]
-        return sum(parts) if parts and None not in parts else None
-    if isinstance(slot_mappings, dict) and slot_mappings:
-        shape = getattr(next(iter(slot_mappings.values())), "shape", None)
-        return int(shape[0]) if shape else None
-    return None
 
 
 class SpecplanProposer(PlanningDrafter):
