@@ -1,7 +1,9 @@
 """The engine's packed fp32 linear (C++ kernels) against torch's, side by side, at decode and
 verify row counts: [M, 576] x [576, 1536] (SmolLM2-135M's gate/up shape), one thread, the third
 best of 20 calls each. On an AVX2-only VM (2026-11-25) the kernel read 1.36 / 10.9 / 43.4 ms at
-M = 1 / 8 / 32 against torch's 0.13 / 0.44 / 1.10 ms.
+M = 1 / 8 / 32 against torch's 0.13 / 0.44 / 1.10 ms while it used 64-byte vectors (two AVX2
+registers, which GCC spilled through the stack); with register-width vectors (vec_math.h's RegF)
+0.107 / 0.259 / 0.940 ms against 0.122 / 0.450 / 1.067 ms.
 
     python scripts/bench_linear_vs_torch.py [M ...]
 """

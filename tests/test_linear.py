@@ -147,3 +147,32 @@ def test_narrower_isa_builds_agree(isa, tmp_path):
     out = subprocess.run([sys.executable, "-c", _FALLBACK_CHECK.format(isa=isa)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_kernel_not_slower_than_torch_at_verify_rows():
+    """The packed kernel exists to beat F.linear at decode/verify row counts; a build that falls far
+    behind it (as the AVX2 build once did, 23x at M = 8, from a vector wider than the registers)
+    should fail here rather than in a benchmark. Loose bound (3x), fastest of many calls each, so a
+    busy CI machine does not trip it; on a quiet machine the kernel reads 0.6-0.9x torch."""
+    import time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        w = torch.randn(1536, 576)  # SmolLM2-135M's gate/up shape, [N, K]
+        x = torch.randn(8, 576)  # [M, K]: a verify step's rows
+        kernel, reference = PackedLinear(w), lambda t: F.linear(t, w)
+
+        def fastest_ms(fn) -> float:
+            fn(x)
+            best = float("inf")
+            for _ in range(30):
+                t0 = time.perf_counter()
+                fn(x)
+                best = min(best, time.perf_counter() - t0)
+            return best * 1e3
+
+        kernel_ms, torch_ms = fastest_ms(kernel), fastest_ms(reference)
+    finally:
+        torch.set_num_threads(threads)
+    assert kernel_ms <= 3 * torch_ms, f"packed kernel {kernel_ms:.3f} ms vs F.linear {torch_ms:.3f} ms at M=8"

@@ -91,13 +91,14 @@ inline void rotate(const float* __restrict x, const float* __restrict c, const f
 }
 
 // silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) (never overflows):
-// sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0. 16 lanes: one AVX-512 register.
-typedef float F16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
+// sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0. One register-width vector.
+using specplan::kRegLanes;
+using specplan::RegF;
+using specplan::RegI;
 
-inline F16 silu_times(F16 g, F16 u) {
-  const F16 e = specplan::exp_nonpositive_v<F16, I16>(g < 0 ? g : -g);
-  const F16 num = g < 0 ? e : F16{} + 1.0f;
+inline RegF silu_times(RegF g, RegF u) {
+  const RegF e = specplan::exp_nonpositive_v<RegF, RegI>(g < 0 ? g : -g);
+  const RegF num = g < 0 ? e : RegF{} + 1.0f;
   return g * (num / (1.0f + e)) * u;
 }
 
@@ -199,11 +200,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* u = g + I;
       float* o = op + r * I;
       int64_t j = 0;
-      for (; j + 16 <= I; j += 16) {
-        F16 gv, uv;
+      for (; j + kRegLanes <= I; j += kRegLanes) {
+        RegF gv, uv;
         std::memcpy(&gv, g + j, sizeof(gv));
         std::memcpy(&uv, u + j, sizeof(uv));
-        const F16 ov = silu_times(gv, uv);
+        const RegF ov = silu_times(gv, uv);
         std::memcpy(o + j, &ov, sizeof(ov));
       }
       for (; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
@@ -213,7 +214,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 // Row-wise argmax of x [R, V] (greedy decoding over the logits): the first index of the
-// largest value, as torch.argmax. 16 running maxima per row, each lane keeping its first
+// largest value, as torch.argmax. kRegLanes running maxima per row, each lane keeping its first
 // maximum; a row holding NaN falls back to torch (which returns the NaN's index).
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_float_rows(x, "x");
@@ -228,31 +229,31 @@ at::Tensor argmax_rows(const at::Tensor& x) {
       const float* row = xp + r * V;
       int64_t j = 0, best_j = 0;
       float best = row[0];
-      if (V >= 16) {
-        const I16 step = I16{} + 16;
-        I16 lane_j = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        F16 vmax;
+      if (V >= kRegLanes) {
+        const RegI step = RegI{} + kRegLanes;
+        RegI lane_j = specplan::lane_index();
+        RegF vmax;
         std::memcpy(&vmax, row, sizeof(vmax));
-        I16 imax = lane_j;
-        F16 nan_check = vmax;
-        for (j = 16; j + 16 <= V; j += 16) {
+        RegI imax = lane_j;
+        RegF nan_check = vmax;
+        for (j = kRegLanes; j + kRegLanes <= V; j += kRegLanes) {
           lane_j += step;
-          F16 v;
+          RegF v;
           std::memcpy(&v, row + j, sizeof(v));
-          const I16 gt = v > vmax;  // strictly greater: each lane keeps its first maximum
+          const RegI gt = v > vmax;  // strictly greater: each lane keeps its first maximum
           vmax = gt ? v : vmax;
           imax = gt ? lane_j : imax;
           nan_check += v;  // NaN anywhere makes the sum NaN
         }
         bool nan = false;
-        for (int l = 0; l < 16; ++l) nan |= nan_check[l] != nan_check[l];
+        for (int l = 0; l < kRegLanes; ++l) nan |= nan_check[l] != nan_check[l];
         if (nan) {
           saw_nan.store(true, std::memory_order_relaxed);
           continue;
         }
         best = vmax[0];
         best_j = imax[0];
-        for (int l = 1; l < 16; ++l)
+        for (int l = 1; l < kRegLanes; ++l)
           if (vmax[l] > best || (vmax[l] == best && imax[l] < best_j)) best = vmax[l], best_j = imax[l];
       }
       for (; j < V; ++j) {

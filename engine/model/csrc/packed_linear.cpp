@@ -42,21 +42,24 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "vec_math.h"
 
 #include <algorithm>
 #include <cstdint>
 
 namespace {
 
-constexpr int64_t NR = 32;  // output columns per panel: two 16-float vectors
-// One 64-byte vector: one AVX-512 register, two AVX2 registers or four SSE/NEON registers.
-typedef float V __attribute__((vector_size(64), aligned(4)));
-// Rows per register block: MR * 2 accumulators + 2 weight vectors must fit the register file
-// (32 zmm with AVX-512; 16 ymm otherwise, where each V takes two). With AVX-512, 12 rows (26
-// registers) rather than 8: a verify step of 9-12 rows then runs as one pass over the weights
-// instead of two blocks taking turns on each chunk; faster for 9-12 rows, no slower elsewhere
-// (outputs unchanged: each row's sum runs over k in the same order)
-// (measured: reports/README.md#engine-measurements).
+constexpr int64_t NR = 32;  // output columns per panel
+// One register-width vector (vec_math.h): 16 floats with AVX-512, 8 with AVX2.
+constexpr int kLanes = specplan::kRegLanes;
+typedef specplan::RegF V;
+constexpr int NV = NR / kLanes;  // vectors per panel row: 2 (AVX-512) or 4 (AVX2)
+// Rows per register block: MR * NV accumulators + the broadcast of x must fit the register file
+// (32 zmm with AVX-512; 16 ymm with AVX2, where the weights come straight from L1 as the FMA's
+// memory operand). With AVX-512, 12 rows (24 + 2 registers) rather than 8: a verify step of 9-12
+// rows then runs as one pass over the weights instead of two blocks taking turns on each chunk;
+// faster for 9-12 rows, no slower elsewhere (outputs unchanged: each row's sum runs over k in the
+// same order) (measured: reports/README.md#engine-measurements).
 #if defined(__AVX512F__)
 constexpr int MR = 12;
 #else
@@ -88,29 +91,23 @@ constexpr int64_t kStreamPrefetchBytes = 8192;
 template <int R>
 inline void panel_block(const float* __restrict x, int64_t K, int64_t k0, int64_t k1, const float* __restrict panel,
                         float* __restrict acc_out, bool init, int64_t prefetch_ahead) {
-  V acc[R][2];
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = init ? V{} : *reinterpret_cast<const V*>(acc_out + r * NR);
-    acc[r][1] = init ? V{} : *reinterpret_cast<const V*>(acc_out + r * NR + 16);
-  }
+  V acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = init ? V{} : *reinterpret_cast<const V*>(acc_out + r * NR + v * kLanes);
   for (int64_t k = k0; k < k1; ++k) {
     if (prefetch_ahead > 0) {
       const char* line = reinterpret_cast<const char*>(panel + k * NR) + prefetch_ahead;
       __builtin_prefetch(line, 0, 3);
       __builtin_prefetch(line + 64, 0, 3);
     }
-    const V w0 = *reinterpret_cast<const V*>(panel + k * NR);
-    const V w1 = *reinterpret_cast<const V*>(panel + k * NR + 16);
+    const float* w = panel + k * NR;
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * K + k];
-      acc[r][0] += xr * w0;
-      acc[r][1] += xr * w1;
+      for (int v = 0; v < NV; ++v) acc[r][v] += xr * *reinterpret_cast<const V*>(w + v * kLanes);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    *reinterpret_cast<V*>(acc_out + r * NR) = acc[r][0];
-    *reinterpret_cast<V*>(acc_out + r * NR + 16) = acc[r][1];
-  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) *reinterpret_cast<V*>(acc_out + r * NR + v * kLanes) = acc[r][v];
 }
 
 // panel_block with the row count R chosen at run time (1 <= rows <= R).

@@ -32,7 +32,7 @@
 // Threads of torch's intra-op pool (at::parallel_for;
 // hence -fopenmp at build time) pull items, costliest first, from a shared counter. Per item and
 // query row: online (streaming) softmax over the key blocks, accumulated in the input precision.
-// float with head_dim 64 or 128 (the common sizes): attend_rows16, 16 keys per pass in 16-lane
+// float with head_dim 64 or 128 (the common sizes): attend_rows, L keys per pass in L-lane (one register)
 // vectors with head_dim a compile-time constant and the G heads of a KV head sharing each load.
 // Other float head sizes: explicit SIMD, 4 keys per pass for q.k, a vectorized exp. double: the
 // same loops with libm exp.
@@ -276,21 +276,24 @@ struct RowPrefetch {
 };
 
 #ifdef SPECPLAN_HAVE_SHUFFLEVECTOR
-// ---- float fast path: 16 keys at a time in 16-lane vectors, head_dim D known at compile time ----
-// (one AVX-512 register per vector; two AVX2 or four SSE/NEON registers elsewhere). Per query row
-// and chunk of n <= 16 keys: 16 dot products reduced together into one vector of scores, one
-// vectorized exp, and the weighted sum of V with the row's accumulator held in registers.
-typedef float V16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t VI16 __attribute__((vector_size(64), aligned(4)));
+// ---- float fast path: L keys at a time in L-lane vectors, head_dim D known at compile time ----
+// L = kRegLanes: one register per vector (16 lanes with AVX-512, 8 with AVX2). Per query row and
+// chunk of n <= L keys: L dot products reduced together into one vector of scores, one vectorized
+// exp, and the weighted sum of V with the row's accumulator held in registers.
+constexpr int L = specplan::kRegLanes;
+typedef specplan::RegF VL;
+typedef specplan::RegI VIL;
 
-inline V16 load16(const float* p) { return *reinterpret_cast<const V16*>(p); }
+inline VL loadL(const float* p) { return *reinterpret_cast<const VL*>(p); }
 
-// out[t] = sum of the 16 lanes of p[t]. A transpose-add tree: each level halves the number of
-// vectors and doubles the keys per vector (15 shuffle pairs for 16 sums instead of 16 reductions).
-// Level 1 pairs keys (0,1): lanes 0-7 hold key 0's 8 partial sums, lanes 8-15 key 1's; level 2:
-// 4 lanes for each of keys 0-3; level 3: 2 lanes for each of keys 0-7; level 4: key t in lane t.
-inline V16 transpose_sum16(const V16 (&p)[16]) {
-  V16 x[8], z[4], u[2];
+// out[t] = sum of the L lanes of p[t]. A transpose-add tree: each level halves the number of
+// vectors and doubles the keys per vector (L - 1 shuffle pairs for L sums instead of L reductions).
+// With 16 lanes: level 1 pairs keys (0,1): lanes 0-7 hold key 0's 8 partial sums, lanes 8-15 key
+// 1's; level 2: 4 lanes for each of keys 0-3; level 3: 2 lanes for each of keys 0-7; level 4: key
+// t in lane t. With 8 lanes the same from 4 partial sums per key, in three levels.
+inline VL transpose_sum(const VL (&p)[L]) {
+#if SPECPLAN_REG_LANES == 16
+  VL x[8], z[4], u[2];
   for (int j = 0; j < 8; ++j)
     x[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(p[2 * j], p[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -302,50 +305,79 @@ inline V16 transpose_sum16(const V16 (&p)[16]) {
            __builtin_shufflevector(z[2 * j], z[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  VL x[4], z[2];
+  for (int j = 0; j < 4; ++j)
+    x[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(p[2 * j], p[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int j = 0; j < 2; ++j)
+    z[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
-inline float hmax16(V16 v) {
-  V16 w = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+// The largest and the sum of the L lanes: combine v with itself rotated by L/2, L/4, ... lanes
+// until lane 0 and 1 hold the result of all (a rotation by `by` lanes: lane i takes lane i + by).
+template <int by>
+inline VL rotate_lanes(VL v) {
+#if SPECPLAN_REG_LANES == 16
+  return __builtin_shufflevector(v, v, by % 16, (1 + by) % 16, (2 + by) % 16, (3 + by) % 16, (4 + by) % 16,
+                                 (5 + by) % 16, (6 + by) % 16, (7 + by) % 16, (8 + by) % 16, (9 + by) % 16,
+                                 (10 + by) % 16, (11 + by) % 16, (12 + by) % 16, (13 + by) % 16, (14 + by) % 16,
+                                 (15 + by) % 16);
+#else
+  return __builtin_shufflevector(v, v, by % 8, (1 + by) % 8, (2 + by) % 8, (3 + by) % 8, (4 + by) % 8, (5 + by) % 8,
+                                 (6 + by) % 8, (7 + by) % 8);
+#endif
+}
+
+inline float hmax_lanes(VL v) {
+  VL w;
+  if constexpr (L == 16) {
+    w = rotate_lanes<8>(v);
+    v = v > w ? v : w;
+  }
+  w = rotate_lanes<4>(v);
   v = v > w ? v : w;
-  w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  v = v > w ? v : w;
-  w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  w = rotate_lanes<2>(v);
   v = v > w ? v : w;
   return v[0] > v[1] ? v[0] : v[1];
 }
 
-inline float hsum16(V16 v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+inline float hsum_lanes(VL v) {
+  if constexpr (L == 16) v += rotate_lanes<8>(v);
+  v += rotate_lanes<4>(v);
+  v += rotate_lanes<2>(v);
   return v[0] + v[1];
 }
 
 // R query rows (the heads of one KV head that see the same keys; row r at q + r * D) against keys
-// k[t * ks] and values v[t * vs] for t < n <= 16, of which those with bit t of `lanes` set are
+// k[t * ks] and values v[t * vs] for t < n <= L, of which those with bit t of `lanes` set are
 // visible (lanes == (1 << n) - 1 but for draft-tree rows; never 0): the online-softmax update of each row's running
 // maximum m[r], denominator l[r] and accumulator acc[r * D : (r + 1) * D]. Each key and value
 // vector is loaded once for all R rows (GQA: the heads sharing a KV head are read together), and
 // each q.k sum runs in two independent chains.
 template <int D, int R>
-inline void attend_rows16(const float* __restrict q, const float* __restrict k, int64_t ks,
+inline void attend_rows(const float* __restrict q, const float* __restrict k, int64_t ks,
                           const float* __restrict v, int64_t vs, int n, uint32_t lanes, float scale,
                           float* __restrict m, float* __restrict l, float* __restrict acc, const RowPrefetch& pf) {
-  constexpr int C = D / 16;  // vectors per head
-  V16 scores[R];
+  constexpr int C = D / L;  // vectors per head
+  VL scores[R];
   {
-    V16 qv[R][C];
+    VL qv[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) qv[r][c] = load16(q + r * D + 16 * c) * scale;
-    V16 partial[R][16];
-    for (int t = 0; t < 16; ++t) {
+      for (int c = 0; c < C; ++c) qv[r][c] = loadL(q + r * D + L * c) * scale;
+    VL partial[R][L];
+    for (int t = 0; t < L; ++t) {
       if (t < n) {
         const float* kt = k + t * ks;
         if (t < pf.rows) pf.key_row<D>(t);
-        V16 kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = load16(kt + 16 * c);
+        VL kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = loadL(kt + L * c);
         for (int r = 0; r < R; ++r) {
-          V16 even = qv[r][0] * kv[0], odd = qv[r][1] * kv[1];
+          VL even = qv[r][0] * kv[0], odd = qv[r][1] * kv[1];
           for (int c = 2; c < C; c += 2) {
             even += qv[r][c] * kv[c];
             odd += qv[r][c + 1] * kv[c + 1];
@@ -353,61 +385,62 @@ inline void attend_rows16(const float* __restrict q, const float* __restrict k, 
           partial[r][t] = even + odd;
         }
       } else {
-        for (int r = 0; r < R; ++r) partial[r][t] = V16{};
+        for (int r = 0; r < R; ++r) partial[r][t] = VL{};
       }
     }
-    for (int r = 0; r < R; ++r) scores[r] = transpose_sum16(partial[r]);  // lane t: q_r . k_t * scale
+    for (int r = 0; r < R; ++r) scores[r] = transpose_sum(partial[r]);  // lane t: q_r . k_t * scale
   }
-  if (lanes != 0xFFFFu) {  // fewer than 16 keys, or a tree row's hidden keys: score -inf
-    const VI16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const VI16 visible = ((VI16{} + static_cast<int32_t>(lanes)) >> lane) & 1;
-    const V16 neg_inf = V16{} - std::numeric_limits<float>::infinity();
+  if (lanes != (1u << L) - 1u) {  // fewer than L keys, or a tree row's hidden keys: score -inf
+    const VIL lane = specplan::lane_index();
+    const VIL visible = ((VIL{} + static_cast<int32_t>(lanes)) >> lane) & 1;
+    const VL neg_inf = VL{} - std::numeric_limits<float>::infinity();
     for (int r = 0; r < R; ++r) scores[r] = visible != 0 ? scores[r] : neg_inf;
   }
-  alignas(64) float p[R][16];  // softmax numerators, read back one broadcast lane at a time
+  alignas(64) float p[R][L];  // softmax numerators, read back one broadcast lane at a time
   float alpha[R];  // rescales what row r summed under its old maximum (1: no new maximum)
   for (int r = 0; r < R; ++r) {
-    const float mx = hmax16(scores[r]);
+    const float mx = hmax_lanes(scores[r]);
     alpha[r] = 1.0f;
     if (mx > m[r]) {
       if (m[r] != -std::numeric_limits<float>::infinity()) alpha[r] = std::exp(m[r] - mx);
       m[r] = mx;
     }
-    const V16 e = specplan::exp_nonpositive_v<V16, VI16>(scores[r] - m[r]);  // padded lanes: 0
-    l[r] = l[r] * alpha[r] + hsum16(e);
-    *reinterpret_cast<V16*>(p[r]) = e;
+    const VL e = specplan::exp_nonpositive_v<VL, VIL>(scores[r] - m[r]);  // padded lanes: 0
+    l[r] = l[r] * alpha[r] + hsum_lanes(e);
+    *reinterpret_cast<VL*>(p[r]) = e;
   }
-  V16 a[R][C];
+  VL a[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = load16(acc + r * D + 16 * c) * alpha[r];
+    for (int c = 0; c < C; ++c) a[r][c] = loadL(acc + r * D + L * c) * alpha[r];
   for (int t = 0; t < n; ++t) {
     const float* vt = v + t * vs;
     if (t < pf.rows) pf.value_row<D>(t);
-    V16 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load16(vt + 16 * c);
+    VL vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = loadL(vt + L * c);
     for (int r = 0; r < R; ++r) {
-      const V16 pt = V16{} + p[r][t];
+      const VL pt = VL{} + p[r][t];
       for (int c = 0; c < C; ++c) a[r][c] += pt * vv[c];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) *reinterpret_cast<V16*>(acc + r * D + 16 * c) = a[r][c];
+    for (int c = 0; c < C; ++c) *reinterpret_cast<VL*>(acc + r * D + L * c) = a[r][c];
 }
 
-// attend_rows16 for g rows, in groups of at most 16 / (D / 16) rows (the accumulators of a group
-// stay in registers: 4 rows at head_dim 64, 2 at 128).
+// attend_rows for g rows, in groups whose accumulators (rows x D / L vectors) fill at most half
+// the vector registers (32 with AVX-512: 4 rows at head_dim 64, 2 at 128; 16 with AVX2: 1 row).
 template <int D>
-inline void attend_heads16(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int n,
+inline void attend_heads(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int n,
                            uint32_t lanes, float scale, float* m, float* l, float* acc, int64_t g, RowPrefetch pf) {
-  constexpr int64_t kMaxRows = D <= 64 ? 4 : 2;
+  constexpr int kRegisters = L == 16 ? 32 : 16;
+  constexpr int64_t kMaxRows = std::max(1, kRegisters / 2 / (D / L));
   for (int64_t r = 0; r < g; r += kMaxRows) {
     const float* qr = q + r * D;
     float* ar = acc + r * D;
     switch (std::min(g - r, kMaxRows)) {
-      case 1: attend_rows16<D, 1>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
-      case 2: attend_rows16<D, 2>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
-      case 3: attend_rows16<D, 3>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
-      default: attend_rows16<D, kMaxRows>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
+      case 1: attend_rows<D, 1>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
+      case 2: attend_rows<D, 2>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
+      case 3: attend_rows<D, 3>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
+      default: attend_rows<D, kMaxRows>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
     }
     pf.rows = 0;
   }
@@ -487,7 +520,7 @@ struct Args {
   T* part_acc;
 };
 
-// FastD > 0: float with head_dim FastD, through attend_heads16; 0: the generic loops.
+// FastD > 0: float with head_dim FastD, through attend_heads; 0: the generic loops.
 template <typename T, int FastD>
 void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
   const int64_t G = a.G, D = a.D, bs = a.block_size;
@@ -578,13 +611,13 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
               prows = std::min(bs, jmax - pblk * bs);
             }
           }
-          for (int64_t t = 0; t < nt; t += 16) {
-            const int64_t n = std::min<int64_t>(16, nt - t);
+          for (int64_t t = 0; t < nt; t += L) {
+            const int64_t n = std::min<int64_t>(L, nt - t);
             const uint32_t lanes = visible_lanes(tree, tree_c, ta + t, n);
             if (lanes == 0) continue;  // a tree row's cousins only
             RowPrefetch pf;  // rows t.. of the pair ahead, beside keys t.. of this one
-            if (prows > t) pf = {pk + t * a.sk1, pv + t * a.sv1, a.sk1, a.sv1, static_cast<int>(std::min<int64_t>(16, prows - t))};
-            attend_heads16<FastD>(qi, k0 + t * a.sk1, a.sk1, v0 + t * a.sv1, a.sv1, static_cast<int>(n), lanes,
+            if (prows > t) pf = {pk + t * a.sk1, pv + t * a.sv1, a.sk1, a.sv1, static_cast<int>(std::min<int64_t>(L, prows - t))};
+            attend_heads<FastD>(qi, k0 + t * a.sk1, a.sk1, v0 + t * a.sv1, a.sv1, static_cast<int>(n), lanes,
                                   a.scale, s.m.data() + r0, s.l.data() + r0, s.acc.data() + r0 * D, G, pf);
           }
           continue;

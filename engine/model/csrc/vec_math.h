@@ -8,6 +8,27 @@ namespace specplan {
 typedef float F8 __attribute__((vector_size(32)));  // one AVX register, or two SSE/NEON registers
 typedef int32_t I8 __attribute__((vector_size(32)));
 
+// The float vector of one full register: 16 lanes with AVX-512, 8 otherwise. A kernel that keeps
+// vectors live across a loop (accumulators, running maxima) uses these, never a fixed 64-byte
+// type: GCC 12 spills a generic vector wider than the registers through the stack on every
+// operation, which ran the AVX2 build's kernels 12-44x slower than torch
+// (scripts/bench_linear_vs_torch.py, 2026-11-25).
+#if defined(__AVX512F__)
+#define SPECPLAN_REG_LANES 16
+#else
+#define SPECPLAN_REG_LANES 8
+#endif
+constexpr int kRegLanes = SPECPLAN_REG_LANES;
+typedef float RegF __attribute__((vector_size(kRegLanes * sizeof(float)), aligned(4)));
+typedef int32_t RegI __attribute__((vector_size(kRegLanes * sizeof(int32_t)), aligned(4)));
+
+// {0, 1, ..., kRegLanes - 1}
+inline RegI lane_index() {
+  RegI lanes;
+  for (int i = 0; i < kRegLanes; ++i) lanes[i] = i;
+  return lanes;
+}
+
 // e^x for x <= 0 (softmax scores minus their maximum; sigmoid's e^-|x|), for a float vector V of
 // any width with the int32 vector VI of the same width. Cody-Waite reduction x = k ln2 + r,
 // |r| <= ln2/2, Cephes' degree-5 polynomial for e^r (max relative error 8.4e-8 on [-87, 0]), 2^k
