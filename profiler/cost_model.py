@@ -8,7 +8,10 @@ tokens over a context of L_i keys, R rows of logits):
   * activations are read and written once per matrix product;
   * FLOPs are 2 per multiply-add: a [N, in] x [in, out] product is 2 N in out; attention is
     4 T_i L_i head_dim per query head (QK^T and PV);
-  * the LM head runs only on the R rows whose logits are needed.
+  * the LM head runs only on the R rows whose logits are needed;
+  * ``itemsize`` is the bytes of an activation, a KV entry and a float weight (norms, embedding
+    rows); ``weight_itemsize`` the bytes per weight of the matrix products and the LM head, which
+    differ when they are quantized (Q4_1: 0.625, scales and mins included; None: ``itemsize``).
 """
 
 from __future__ import annotations
@@ -48,14 +51,16 @@ class Cost:
         return "compute" if self.intensity > ridge else "memory"
 
 
-def _matmul(n: int, d_in: int, d_out: int, itemsize: int, bias: bool = False) -> Cost:
+def _matmul(n: int, d_in: int, d_out: int, itemsize: int, bias: bool = False,
+            weight_itemsize: float | None = None) -> Cost:
+    w_item = itemsize if weight_itemsize is None else weight_itemsize
     return Cost(flops=2.0 * n * d_in * d_out,
-                weight_bytes=float(d_in * d_out + (d_out if bias else 0)) * itemsize,
+                weight_bytes=float(d_in * d_out) * w_item + float(d_out if bias else 0) * itemsize,
                 activation_bytes=float(n * (d_in + d_out)) * itemsize)
 
 
 def layer_costs(cfg: ModelConfig, query_lens: list[int], context_lens: list[int],
-                itemsize: int = 4) -> dict[str, Cost]:
+                itemsize: int = 4, weight_itemsize: float | None = None) -> dict[str, Cost]:
     """Cost of one decoder layer by component. context_lens[i]: keys sequence i attends to
     (including its own new tokens)."""
     n = sum(query_lens)
@@ -67,48 +72,51 @@ def layer_costs(cfg: ModelConfig, query_lens: list[int], context_lens: list[int]
     return {
         "norms": Cost(flops=2 * 4.0 * n * h, weight_bytes=2.0 * h * itemsize,
                       activation_bytes=2 * 2.0 * n * h * itemsize),
-        "qkv_proj": _matmul(n, h, q_size + 2 * kv_size, itemsize, bias=cfg.qkv_bias),
+        "qkv_proj": _matmul(n, h, q_size + 2 * kv_size, itemsize, bias=cfg.qkv_bias, weight_itemsize=weight_itemsize),
         "attention": Cost(flops=attn_flops, kv_bytes=kv_read + kv_write,
                           activation_bytes=2.0 * n * q_size * itemsize),
-        "o_proj": _matmul(n, q_size, h, itemsize),
-        "gate_up_proj": _matmul(n, h, 2 * cfg.intermediate_size, itemsize),
-        "down_proj": _matmul(n, cfg.intermediate_size, h, itemsize),
+        "o_proj": _matmul(n, q_size, h, itemsize, weight_itemsize=weight_itemsize),
+        "gate_up_proj": _matmul(n, h, 2 * cfg.intermediate_size, itemsize, weight_itemsize=weight_itemsize),
+        "down_proj": _matmul(n, cfg.intermediate_size, h, itemsize, weight_itemsize=weight_itemsize),
     }
 
 
 def step_costs(cfg: ModelConfig, query_lens: list[int], context_lens: list[int], logits_rows: int | None = None,
-               itemsize: int = 4) -> dict[str, Cost]:
+               itemsize: int = 4, weight_itemsize: float | None = None) -> dict[str, Cost]:
     """Cost of a whole step by component (all layers summed), plus embedding and LM head."""
     n = sum(query_lens)
     rows = len(query_lens) if logits_rows is None else logits_rows
-    costs = {name: c * cfg.num_layers for name, c in layer_costs(cfg, query_lens, context_lens, itemsize).items()}
+    costs = {name: c * cfg.num_layers
+             for name, c in layer_costs(cfg, query_lens, context_lens, itemsize, weight_itemsize).items()}
     # The embedding lookup reads only N rows of the table; a tied LM head re-reads the whole table.
     costs["embedding"] = Cost(weight_bytes=float(n * cfg.hidden_size) * itemsize,
                               activation_bytes=float(n * cfg.hidden_size) * itemsize)
-    costs["lm_head"] = _matmul(rows, cfg.hidden_size, cfg.vocab_size, itemsize) + Cost(
+    costs["lm_head"] = _matmul(rows, cfg.hidden_size, cfg.vocab_size, itemsize, weight_itemsize=weight_itemsize) + Cost(
         flops=4.0 * rows * cfg.hidden_size, weight_bytes=float(cfg.hidden_size) * itemsize)  # + final norm
     return costs
 
 
 def step_cost(cfg: ModelConfig, query_lens: list[int], context_lens: list[int], logits_rows: int | None = None,
-              itemsize: int = 4) -> Cost:
+              itemsize: int = 4, weight_itemsize: float | None = None) -> Cost:
     total = Cost()
-    for c in step_costs(cfg, query_lens, context_lens, logits_rows, itemsize).values():
+    for c in step_costs(cfg, query_lens, context_lens, logits_rows, itemsize, weight_itemsize).values():
         total = total + c
     return total
 
 
 def decode_step_cost(cfg: ModelConfig, batch_size: int, tokens_per_seq: int, context: int,
-                     itemsize: int = 4) -> Cost:
+                     itemsize: int = 4, weight_itemsize: float | None = None) -> Cost:
     """B sequences each verifying T tokens (1 + k) over ``context`` earlier tokens: logits on every row."""
     return step_cost(cfg, [tokens_per_seq] * batch_size, [context + tokens_per_seq] * batch_size,
-                     logits_rows=batch_size * tokens_per_seq, itemsize=itemsize)
+                     logits_rows=batch_size * tokens_per_seq, itemsize=itemsize, weight_itemsize=weight_itemsize)
 
 
-def weight_bytes(cfg: ModelConfig, itemsize: int = 4) -> float:
+def weight_bytes(cfg: ModelConfig, itemsize: int = 4, weight_itemsize: float | None = None) -> float:
     """Bytes of all weights read by one step (the memory floor's main term)."""
+    w_item = itemsize if weight_itemsize is None else weight_itemsize
     h, d = cfg.hidden_size, cfg.head_dim
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-    per_layer = (h * (q_size + 2 * kv_size) + q_size * h + 3 * h * cfg.intermediate_size + 2 * h
-                 + ((q_size + 2 * kv_size) if cfg.qkv_bias else 0))
-    return float(per_layer * cfg.num_layers + cfg.vocab_size * h + h) * itemsize
+    products = h * (q_size + 2 * kv_size) + q_size * h + 3 * h * cfg.intermediate_size  # per layer
+    floats = 2 * h + ((q_size + 2 * kv_size) if cfg.qkv_bias else 0)  # per layer: norms, biases
+    return (float(products * cfg.num_layers + cfg.vocab_size * h) * w_item
+            + float(floats * cfg.num_layers + h) * itemsize)

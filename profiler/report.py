@@ -16,7 +16,8 @@ from .profile import Profile
 def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int) -> int | None:
     """Smallest tokens-per-step (B*T, T=1) whose analytic intensity passes the ridge."""
     for tokens in range(1, 4097):
-        if decode_step_cost(loaded.config, tokens, 1, context).intensity > profile.ceilings.ridge:
+        cost = decode_step_cost(loaded.config, tokens, 1, context, weight_itemsize=loaded.bytes_per_weight())
+        if cost.intensity > profile.ceilings.ridge:
             return tokens
     return None
 
@@ -33,7 +34,9 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
     c = profile.ceilings
     cfg = loaded.config
     g = grid.copy()
-    costs = [decode_step_cost(cfg, int(r.batch_size), int(r.tokens_per_seq), int(r.context)) for r in g.itertuples()]
+    w_item = loaded.bytes_per_weight()
+    costs = [decode_step_cost(cfg, int(r.batch_size), int(r.tokens_per_seq), int(r.context), weight_itemsize=w_item)
+             for r in g.itertuples()]
     g["intensity"] = [x.intensity for x in costs]
     g["gflops"] = [x.flops / s / 1e9 for x, s in zip(costs, g["seconds"])]
     g["floor_ms"] = [1e3 * x.roofline_seconds(c.peak_flops, c.bandwidth) for x in costs]
@@ -108,7 +111,7 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
               "| shape | component | MFLOP | weight MB | KV MB | act. MB | FLOP/byte | bound |",
               "|---|---|---|---|---|---|---|---|"]
     for b, t in ((1, 1), (1, 9), (32, 1), (32, 9)):
-        for name, x in layer_costs(cfg, [t] * b, [256 + t] * b).items():
+        for name, x in layer_costs(cfg, [t] * b, [256 + t] * b, weight_itemsize=w_item).items():
             lines.append(f"| B={b}, T={t} | {name} | {x.flops / 1e6:.1f} | {x.weight_bytes / 1e6:.2f} | "
                          f"{x.kv_bytes / 1e6:.2f} | {x.activation_bytes / 1e6:.2f} | {x.intensity:.1f} | "
                          f"{x.bound(c.ridge)} |")

@@ -164,7 +164,8 @@ def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, d
     secs = grid["seconds"].tolist()
     model = fit_latency_model(shapes, secs)
     held_err, held = heldout_error(shapes, secs)
-    roofline = [decode_step_cost(cfg, int(r.batch_size), int(r.tokens_per_seq), int(r.context))
+    w_item = loaded.bytes_per_weight()  # 4 for float32 weights; 0.625 for Q4_1 blocks
+    roofline = [decode_step_cost(cfg, int(r.batch_size), int(r.tokens_per_seq), int(r.context), weight_itemsize=w_item)
                 .roofline_seconds(ceilings.peak_flops, ceilings.bandwidth) for r in grid.itertuples()]
     one = layer_costs(cfg, [1], [1])
     flops_per_token = sum(c.flops for k, c in one.items() if k != "attention") * cfg.num_layers
@@ -175,7 +176,7 @@ def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, d
         fingerprint=fingerprint_override or fingerprint(cfg, dtype, device),
         ceilings=CeilingsModel(peak_flops=ceilings.peak_flops, bandwidth=ceilings.bandwidth, ridge=ceilings.ridge),
         cost=CostConstants(
-            weight_bytes=weight_bytes(cfg), flops_per_token=flops_per_token,
+            weight_bytes=weight_bytes(cfg, weight_itemsize=w_item), flops_per_token=flops_per_token,
             lm_head_flops_per_row=2.0 * cfg.hidden_size * cfg.vocab_size,
             kv_bytes_per_token=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
             attention_flops_per_token_pair=4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers),

@@ -43,3 +43,14 @@ def test_intensity_grows_with_tokens_per_step():
     assert one.intensity < nine.intensity < wide.intensity
     assert one.bound(ridge=8.6) == "memory"
     assert one.roofline_seconds(1e9, 1e9) == pytest.approx(one.bytes / 1e9)
+
+
+def test_weight_itemsize_prices_only_the_products_and_the_head():
+    """Quantized products and LM head (weight_itemsize) beside float norms and activations (itemsize)."""
+    c = layer_costs(TINY, [1, 2], [3, 5], itemsize=4, weight_itemsize=0.5)
+    assert c["qkv_proj"].weight_bytes == 8 * 16 * 0.5 and c["qkv_proj"].activation_bytes == 72 * 4
+    assert c["norms"].weight_bytes == 16 * 4  # norms stay float
+    float_only = weight_bytes(TINY, itemsize=4)
+    products = 2 * (8 * 16 + 8 * 8 + 3 * 8 * 16) + 10 * 8  # per layer x 2 layers, + the tied head
+    assert weight_bytes(TINY, itemsize=4, weight_itemsize=0.5) == pytest.approx(float_only - products * 3.5)
+    assert decode_step_cost(TINY, 1, 1, 4, weight_itemsize=0.5).weight_bytes < decode_step_cost(TINY, 1, 1, 4).weight_bytes

@@ -126,3 +126,21 @@ def test_quantize_option_errors(tmp_path, backend_tokenizer):
         load_model(path, dtype=torch.float64, quantize="int8")
     with pytest.raises(ModelLoadError, match="Hugging Face directory"):
         load_model(tmp_path, quantize="gguf")
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8", "q4"])
+def test_bytes_per_weight_is_what_the_kernels_stream(model, scheme):
+    """The profiler's roofline floor reads LoadedModel.bytes_per_weight: 4 for float32 weights, the
+    blocks' own bytes for quantized ones (Q8_0 34/32, Q4_1 20/32 with a Q8_0 LM head), so its
+    weight floor moves with the format instead of assuming 4 bytes."""
+    from specplan.profiler.cost_model import weight_bytes
+
+    loaded = quantize_model(loaded_from_hf(model), scheme)
+    cfg = loaded.config
+    head = cfg.vocab_size * cfg.hidden_size
+    projections = weight_bytes(cfg, itemsize=0, weight_itemsize=1) - head  # products' weights, all layers
+    expected = {"none": 4.0, "int8": 34 / 32,
+                "q4": (projections * 20 / 32 + head * 34 / 32) / (projections + head)}[scheme]
+    assert loaded.bytes_per_weight() == pytest.approx(expected)
+    floor = weight_bytes(cfg, weight_itemsize=loaded.bytes_per_weight())
+    assert (floor < weight_bytes(cfg)) == (scheme != "none")

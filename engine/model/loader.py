@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import ModelConfig, UnsupportedModelError
-from .quant import BLOCK, SCHEMES, QuantWeight
+from .quant import BLOCK, GGUF_BLOCK_BYTES, SCHEMES, QuantWeight
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -65,6 +65,24 @@ class LoadedModel:
     tokenizer: "PreTrainedTokenizerBase"
     path: Path  # the Hugging Face-format directory actually loaded (for a GGUF: its cache dir)
     name: str
+
+    def bytes_per_weight(self) -> float:
+        """Bytes a step streams per weight of its matrix products and LM head: the float dtype's
+        size, or for quantized blocks their bytes (scales and mins included) over their weights
+        (Q4_1: 20 / 32 = 0.625). The profiler's roofline floor reads this."""
+        names = [n for n in self.weights if n.endswith("_proj.weight")]
+        names.append("lm_head.weight" if "lm_head.weight" in self.weights else "model.embed_tokens.weight")
+        stored = params = 0.0
+        for name in names:
+            w = self.weights[name]
+            if isinstance(w, QuantWeight):
+                n, k = w.shape
+                params += n * k
+                stored += n * (k // BLOCK) * GGUF_BLOCK_BYTES[w.fmt]
+            else:
+                params += w.numel()
+                stored += w.numel() * w.element_size()
+        return stored / params
 
 
 def default_model_path() -> Path:

@@ -100,7 +100,7 @@ def run_step_grid(loaded: LoadedModel, hf_model, ceilings: Ceilings, batch_sizes
                 bandwidths.append(probe.read())
             bandwidth = statistics.median(bandwidths)
             for t in tokens_per_seq:
-                cost = decode_step_cost(loaded.config, b, t, context)
+                cost = decode_step_cost(loaded.config, b, t, context, weight_itemsize=loaded.bytes_per_weight())
                 rows.append({
                     "batch_size": b, "tokens_per_seq": t, "tokens": b * t, "context": context,
                     "specplan_ms": 1e3 * statistics.median(spec_s[t]),
