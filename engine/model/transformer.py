@@ -125,14 +125,16 @@ class Model:
         """``forward``, also keeping the residual stream that enters each of ``layers`` (ascending):
         (hidden [N, hidden], captured [N, len(layers) * hidden], layer by layer). That is the
         feature EAGLE-3 heads read (vLLM's ``aux_hidden_states``: layer i's input, i.e. Hugging
-        Face's ``hidden_states[i]``); the same pass, just a copy of h at each of those layers."""
+        Face's ``hidden_states[i]``); the same pass, just a copy of h at each of those layers.
+        Index ``num_layers`` captures the residual stream leaving the last layer (before the final
+        norm): what a draft head's trainer turns into the target's logits."""
         hidden, captured = self._forward(batch, layer_caches, block_size, layers)
         return hidden, torch.cat(captured, dim=-1)
 
     def _forward(self, batch: TokenBatch, layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, capture: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        if list(capture) != sorted(set(capture)) or not all(0 <= i < len(self.layers) for i in capture):
-            raise ValueError(f"capture layers must be ascending and in [0, {len(self.layers)}), got {capture}")
+        if list(capture) != sorted(set(capture)) or not all(0 <= i <= len(self.layers) for i in capture):
+            raise ValueError(f"capture layers must be ascending and in [0, {len(self.layers)}], got {capture}")
         c = self.config
         # On CPU a C++ kernel reads K/V in place through the block tables; tree-masked batches and
         # other devices use the torch reference, which gathers each sequence's K/V.
@@ -149,11 +151,11 @@ class Model:
             # Captures split the C++ call into runs of layers, e.g. capture (2, 15) on 30 layers:
             # layers [0, 2), copy h, [2, 15), copy h, [15, 30).
             done = 0
-            for i in (*capture, len(self.layers)):
+            for i in sorted({*capture, len(self.layers)}):
                 if i > done:
                     x = self.kernel_stack(h, x, batch, layer_caches, done, i)
                     done = i
-                if i < len(self.layers):
+                if i in capture:
                     captured.append(h.clone())
             return x, captured
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, layer_caches, strict=True)):
@@ -167,6 +169,8 @@ class Model:
                 attn = paged_attention(q, k_cache, v_cache, plan, self.scale)  # [N, H, D]
             x = ops.add_rms_norm_(h, layer.o(attn.view(n, self.q_size)), layer.post_norm, eps)
             x = ops.add_rms_norm_(h, layer.down(ops.silu_mul(layer.gate_up(x))), norms[i + 1], eps)
+        if len(self.layers) in capture:
+            captured.append(h.clone())
         return x, captured
 
     @torch.inference_mode()
