@@ -50,6 +50,12 @@ class RequestRecord:
     num_emitted: int  # tokens appended this step (accepted + 1, less if a stop truncated)
     natural_k: int | None = None  # the proposer's own preferred length, if it has one
     match_length: int | None = None  # trailing tokens the lookup matched (DraftTokens.match_length)
+    # The proposer's probability of each proposed draft (DraftTokens.confidence; nan for a lookup
+    # token in a chained proposal), None for proposers without one.
+    confidence: tuple[float, ...] | None = None
+    # Whether the decider's DraftStop was in force for this request (the proposer may have drafted
+    # fewer than k: a short proposal then says nothing about how long proposals run).
+    stop_rule: bool = False
 
     @property
     def accepted_per_position(self) -> tuple[bool, ...]:
@@ -79,6 +85,39 @@ class SpecDecider(Protocol):
     def observe(self, record: StepRecord) -> None:
         """What happened in the step (acceptance, timings): for deciders that learn."""
         ...
+
+
+@runtime_checkable
+class DraftStop(Protocol):
+    """Where a model draft stops early, from its own confidence (issue #33; the planner's
+    ``ConfidenceStop`` implements it). A proposer that reports a probability per draft token
+    (``DraftTokens.confidence``, an EAGLE head) keeps drafting request i while
+
+        accept_probability(c_1) * ... * accept_probability(c_j) >= min_gain,
+
+    the chance that drafts 1..j are all accepted, and keeps exactly those drafts: the j-th draft
+    adds that many expected tokens to the step, and ``min_gain`` is what one more query token
+    costs, in tokens (the step's goodput times its marginal seconds). Worked example: min_gain
+    0.3 and confidences 0.9, 0.7, 0.4 read as acceptances 0.85, 0.6, 0.3: the products 0.85,
+    0.51, 0.15 keep two drafts, and the third head pass is the last one run."""
+
+    min_gain: float
+
+    def accept_probability(self, confidence: float) -> float:
+        """P(a draft is accepted | the proposer's confidence in it, the drafts before it accepted)."""
+        ...
+
+
+class StopsDrafts(Protocol):
+    """Optional for a ``SpecDecider``: the ``DraftStop`` of its latest decision (None: drafts run
+    to k). Read it through ``draft_stop()``."""
+
+    draft_stop: DraftStop | None
+
+
+def draft_stop(decider: SpecDecider) -> DraftStop | None:
+    """The decider's ``draft_stop`` for the step it just decided, or None when it declares none."""
+    return getattr(decider, "draft_stop", None)
 
 
 class PredictsStepTime(Protocol):

@@ -326,6 +326,7 @@ class LLMEngine:
         drafts = proposal.drafts if proposal is not None else None
         natural_k = drafts.natural_k if drafts is not None else None
         match_length = drafts.match_length if drafts is not None else None
+        confidence = drafts.confidence if drafts is not None else None
         verdict_of = {w.seq.seq_id: v for w, v in zip(step.items, step.verdicts)}
         reqs = []
         for j, i in enumerate(step.decodes):
@@ -335,7 +336,10 @@ class LLMEngine:
                 k=proposal.k[j] if proposal is not None else 0, num_proposed=num_drafts,
                 num_accepted=verdict_of[seq.seq_id].num_accepted, num_emitted=step.emitted[seq.seq_id],
                 natural_k=natural_k[j] if natural_k is not None else None,
-                match_length=match_length[j] if match_length is not None else None))
+                match_length=match_length[j] if match_length is not None else None,
+                confidence=tuple(confidence[j][:num_drafts]) if confidence is not None and step.work[i].tree is None
+                else None,
+                stop_rule=proposal is not None and proposal.stopped))
         is_decode = set(step.decodes)
         record = StepRecord(
             requests=tuple(reqs), num_seqs=len(step.work), num_tokens=step.num_tokens,

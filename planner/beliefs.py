@@ -7,11 +7,13 @@ priors alone. The store keeps:
 
 * **acceptance** – every pooled belief (planner/acceptance.py ``PooledAcceptance``), keyed by
   ``BeliefKey``: proposer, workload tag, greedy or sampled, and a *signal* with its bucket, the
-  quantity the belief is conditioned on. Today the signal is ``match`` (the lookup's match-length
-  bucket, ``match_bucket``) or ``none``; a draft head's confidence (issue #33) is another signal
-  kind, ``confidence``, with buckets of its own, in the same file and the same code.
+  quantity the belief is conditioned on: ``match`` (the lookup's match-length bucket,
+  ``match_bucket``) or ``none``. (A draft head's per-token confidence is kept apart, below: it is
+  read while drafting, one token at a time, not before the decision.)
 * **calibration** – the accepted / expected ratio over chosen drafts (planner/calibration.py), per
   proposer.
+* **confidence** – a draft head's confidence -> acceptance table (planner/confidence.py), per
+  proposer: what the confidence stop reads.
 * **step cost** – the drift factor, the draft slope's per-batch-size fits (planner/drift.py) and
   the overhead / drafting-cost fit per proposer (planner/timing.py). They are corrections *to one
   latency model*, so they carry that model's id (``latency_id``) and are only restored under it:
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .acceptance import PooledAcceptance, default_prior
 from .calibration import AcceptanceCalibration
+from .confidence import ConfidenceCalibration
 from .drift import DraftSlope, DriftCorrection
 from .timing import StepTimingLearner
 
@@ -54,8 +57,7 @@ BELIEFS_VERSION = 1
 # What a belief is conditioned on, besides proposer, workload and greedy.
 SIGNAL_NONE = "none"  # nothing: the request's one belief for its proposer (bucket 0)
 SIGNAL_MATCH = "match"  # the lookup's match-length bucket (planner/acceptance.py match_bucket)
-# A draft head's confidence bucket (issue #33) will be "confidence"; the planner restores only the
-# signals it conditions on and keeps the others in the file untouched.
+# The planner restores only the signals it conditions on and keeps others in the file untouched.
 
 
 class BeliefFileError(ValueError):
@@ -107,11 +109,14 @@ class BeliefConfig:
     # memory (~500 request-steps): 24 request-steps of this run's traffic weigh as much as it.
     max_pool_evidence: float = 24.0
     max_calibration_tokens: float = 16.0  # expected tokens behind a loaded calibration ratio
+    # Judged drafts behind a loaded confidence table, in all: enough to move each bucket off its
+    # prior, little against what this run's first hundred steps judge.
+    max_confidence_drafts: float = 200.0
     max_fit_steps: float = 8.0  # steps behind a loaded draft-slope bucket or timing fit
     max_drift_samples: int = 4  # samples behind a loaded drift factor
 
     def __post_init__(self) -> None:
-        for name in ("max_pool_evidence", "max_calibration_tokens", "max_fit_steps"):
+        for name in ("max_pool_evidence", "max_calibration_tokens", "max_fit_steps", "max_confidence_drafts"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_drift_samples < 0:
@@ -133,10 +138,12 @@ def capture(planner: Planner, *, latency: str | None = None, identity: Mapping[s
         "identity": dict(identity or {}),
         "acceptance": {BeliefKey.of_pool(key).name: pool.state()
                        for key, pool in planner.pools.items() if pool.evidence > 0},
-        "calibration": {}, "timing": {}, "step_cost": None,
+        "calibration": {}, "confidence": {}, "timing": {}, "step_cost": None,
     }
     if proposer is not None and planner.calibration is not None and planner.calibration.expected > 0:
         doc["calibration"][proposer] = planner.calibration.state()
+    if proposer is not None and planner.confidence is not None and planner.confidence.evidence > 0:
+        doc["confidence"][proposer] = planner.confidence.state()
     if proposer is not None and planner.timing is not None and planner.timing.steps > 0:
         doc["timing"][proposer] = planner.timing.state()
     if planner.latency is not None and latency is not None and planner.drift.samples > 0:
@@ -150,7 +157,7 @@ def merge(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict:
     if not old or dict(old.get("identity") or {}) != dict(new.get("identity") or {}):
         return dict(new)
     merged = dict(new)
-    for section in ("acceptance", "calibration", "timing"):
+    for section in ("acceptance", "calibration", "confidence", "timing"):
         merged[section] = {**(old.get(section) or {}), **(new.get(section) or {})}
     if new.get("step_cost") is None:
         merged["step_cost"] = old.get("step_cost")
@@ -165,10 +172,12 @@ class Restored:
     calibration: bool = False
     timing: bool = False
     step_cost: bool = False
+    confidence: bool = False
 
     def describe(self) -> str:
         parts = [f"{self.pools} acceptance belief{'s' if self.pools != 1 else ''}"]
-        parts += [name for name, on in (("calibration", self.calibration), ("drafting cost", self.timing),
+        parts += [name for name, on in (("calibration", self.calibration), ("draft confidence", self.confidence),
+                                        ("drafting cost", self.timing),
                                         ("step-cost corrections", self.step_cost)) if on]
         return ", ".join(parts)
 
@@ -183,6 +192,7 @@ class _Scratch:
         self.latency = planner.latency
         self._acceptance = planner.acceptance_config
         self.calibration = AcceptanceCalibration(cfg.calibration) if cfg.calibration is not None else None
+        self.confidence = ConfidenceCalibration(cfg.confidence) if cfg.confidence is not None else None
         self.drift = DriftCorrection(cfg.drift)
         self.draft_slope = DraftSlope(cfg.draft_slope)
         self.timing = StepTimingLearner(planner.draft_cost_prior, cfg.timing) if planner.timing is not None else None
@@ -202,6 +212,9 @@ def _apply(target, doc: Mapping[str, Any], latency: str | None, config: BeliefCo
     calibration = (doc.get("calibration") or {}).get(proposer)
     if calibration is not None and target.calibration is not None:
         target.calibration.load_state(calibration, config.max_calibration_tokens)
+    confidence = (doc.get("confidence") or {}).get(proposer)
+    if confidence is not None and target.confidence is not None:
+        target.confidence.load_state(confidence, config.max_confidence_drafts)
     timing = (doc.get("timing") or {}).get(proposer)
     if timing is not None and target.timing is not None:
         target.timing.load_state(timing, config.max_fit_steps)
@@ -212,7 +225,8 @@ def _apply(target, doc: Mapping[str, Any], latency: str | None, config: BeliefCo
         target.drift.load_state(step_cost["drift"], config.max_drift_samples)
         target.draft_slope.load_state(step_cost["draft_slope"], config.max_fit_steps)
     return Restored(pools, calibration is not None and target.calibration is not None,
-                    timing is not None and target.timing is not None, restore_cost)
+                    timing is not None and target.timing is not None, restore_cost,
+                    confidence is not None and target.confidence is not None)
 
 
 def restore(planner: Planner, doc: Mapping[str, Any], *, latency: str | None = None,

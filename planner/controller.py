@@ -22,8 +22,9 @@ from ..profiler.latency_model import DraftCost, LatencyModel, StepShape
 from .acceptance import (LOOKUP_PROPOSERS, AcceptanceConfig, PooledAcceptance, ProposerPrior, RequestAcceptance,
                          default_prior, match_bucket)
 from .calibration import AcceptanceCalibration, CalibrationConfig
+from .confidence import ConfidenceCalibration, ConfidenceConfig, ConfidenceStop
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
-from .goodput import draft_increment, priced_seconds
+from .goodput import draft_increment, marginal_token_price, priced_seconds
 from .policy import Outcome, Policy, PolicyState, RequestState, Roofline, StepPricing
 from .timing import StepTimingLearner, TimingConfig
 
@@ -43,6 +44,10 @@ class PlannerConfig:
     priors: Mapping[str, ProposerPrior] | None = None  # per proposer; default: acceptance.py DEFAULT_PRIORS
     acceptance: AcceptanceConfig | None = None  # None: the defaults, tracking max_k draft positions
     calibration: CalibrationConfig | None = CalibrationConfig()  # None: estimates as they are
+    # A draft head's confidence -> acceptance (planner/confidence.py), and with a policy that
+    # ``stops_on_confidence``, drafts that run to each request's cap and stop where one more no
+    # longer pays (the engine's DraftStop). None: model drafts run to the k the policy chose.
+    confidence: ConfidenceConfig | None = ConfidenceConfig()
     drift: DriftConfig = DriftConfig()
     draft_slope: DraftSlopeConfig = DraftSlopeConfig()
     timing: TimingConfig = TimingConfig()
@@ -104,6 +109,8 @@ class Planner:
         # None: the policy sees each request's posterior as is (planner/calibration.py).
         self.calibration = AcceptanceCalibration(config.calibration) if config.calibration is not None else None
         self._chosen_gains: dict[int, tuple[float, ...]] = {}  # seq_id -> last decided draft gains, uncalibrated
+        self.confidence = ConfidenceCalibration(config.confidence) if config.confidence is not None else None
+        self.draft_stop: ConfidenceStop | None = None  # the engine's StopsDrafts: the latest decision's rule
         self.roofline = roofline
         missing = [f for f in policy.requires if getattr(self, f, None) is None]
         if missing:
@@ -234,6 +241,10 @@ class Planner:
         if len(ks) != num_decodes:
             raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")
         ks = [max(0, min(int(k), r.max_k)) for k, r in zip(ks, reqs)]
+        self.draft_stop = None
+        if (self.confidence is not None and getattr(self.policy, "stops_on_confidence", False)
+                and proposer not in LOOKUP_PROPOSERS and any(ks)):
+            ks, self.draft_stop = self._confident_drafts(state, ks)
         if self.calibration is not None:
             self._chosen_gains = {r.seq_id: e.gains for r, e, k in zip(reqs, raw_estimates, ks) if k}
         self.last_state, self.last_ks = state, ks
@@ -243,6 +254,19 @@ class Planner:
             self._forget_stale()
         return ks
 
+    def _confident_drafts(self, state: PolicyState, ks: list[int]) -> tuple[list[int], ConfidenceStop]:
+        """With drafts chosen for a model proposer: each drafting request may draft up to its cap,
+        and stops at the first draft whose chance of being emitted (the head's calibrated
+        confidence, times the drafts' before it) is below what one more query token costs in this
+        step (``marginal_token_price``). Without room under the SLA or the step's draft budget for
+        the deeper drafts, the chosen k stay the caps."""
+        cost = state.cost_model()
+        price = marginal_token_price([r.acceptance for r in state.requests], ks, cost)
+        deeper = [r.max_k if k else 0 for r, k in zip(state.requests, ks)]
+        fits = ((state.sla_itl_s is None or cost.seconds(deeper) <= state.sla_itl_s)
+                and (state.draft_budget is None or sum(deeper) <= state.draft_budget))
+        return (deeper if fits else ks), self.confidence.stop(price)
+
     def observe(self, record: StepRecord) -> None:
         proposer = self.proposer or (self.last_state.proposer if self.last_state is not None else "unknown")
         touched = set()
@@ -250,15 +274,21 @@ class Planner:
         for rr in record.requests:
             t = self._tracked(rr.seq_id, rr.request_id, proposer)
             acc = self.acceptance(t, rr.match_length)
-            acc.observe(rr.k, rr.num_proposed, rr.num_accepted, rr.natural_k)
+            # Under a confidence stop a short draft is the stop rule's choice, not the proposer
+            # running out: the request is read as having asked for what it drafted.
+            k = rr.num_proposed if getattr(rr, "stop_rule", False) else rr.k
+            acc.observe(k, rr.num_proposed, rr.num_accepted, rr.natural_k)
             touched.add(acc.pool)
-            if rr.k > 0:
+            confidence = getattr(rr, "confidence", None)
+            if confidence and self.confidence is not None:
+                self.confidence.observe(confidence, rr.num_accepted)
+            if k > 0:
                 gains = self._chosen_gains.get(rr.seq_id)  # empty without calibration
                 if gains is not None:
-                    self.calibration.observe(sum(gains[:rr.k]), rr.num_accepted)
-                t.last_outcome = Outcome(rr.k, rr.num_proposed, rr.num_accepted)
-                total_drafts += rr.k
-                deepest = max(deepest, rr.k)
+                    self.calibration.observe(sum(gains[:k]), rr.num_accepted)
+                t.last_outcome = Outcome(k, rr.num_proposed, rr.num_accepted)
+                total_drafts += k
+                deepest = max(deepest, k)
         for p in touched:
             p.refresh()
         if self.latency is not None:

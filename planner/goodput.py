@@ -111,3 +111,15 @@ def step_goodput(estimates: Sequence[AcceptanceEstimate], ks: Sequence[int], cos
         raise ValueError(f"{len(estimates)} estimates but {len(ks)} k values")
     tokens = sum(e.expected_emitted(k) for e, k in zip(estimates, ks))
     return tokens / cost.charged_seconds(ks)
+
+
+def marginal_token_price(estimates: Sequence[AcceptanceEstimate], ks: Sequence[int], cost: StepCostModel) -> float:
+    """The expected tokens one more draft must add to pay for itself in the step that gives
+    request i ks[i] drafts: the step's goodput times the charged seconds that draft adds, placed
+    on the deepest request (so a draft model's extra pass is counted). A draft whose chance of
+    being emitted is below this lowers the step's goodput."""
+    if not ks:
+        return 0.0
+    deeper = list(ks)
+    deeper[max(range(len(ks)), key=ks.__getitem__)] += 1
+    return step_goodput(estimates, ks, cost) * max(0.0, cost.charged_seconds(deeper) - cost.charged_seconds(ks))

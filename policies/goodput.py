@@ -224,6 +224,9 @@ class GoodputPolicy:
     # belief rests on fewer observed request-steps than this (``_slow_start``).
     slow_start_evidence: float = 32.0
     requires: ClassVar[frozenset[str]] = frozenset({"latency"})
+    # With a draft head, drafts run past the chosen k while the head is sure enough, and stop where
+    # one more draft no longer pays (planner/controller.py ``_confident_drafts``).
+    stops_on_confidence: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.min_relative_gain < 0:

@@ -4,6 +4,7 @@ the training math equal to the engine's, and bad heads refused in one line."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -332,3 +333,48 @@ def test_generation_keeps_prompts_cut_to_the_context(model, tmp_path):
     second = extract_features(loaded, dataclasses.replace(settings, work_dir=tmp_path), records, LAYERS)
     n = len(records[0]["prompt_ids"]) + 12 - 1
     assert torch.allclose(recorded["captured"][:n].float(), second["captured"][:n].float(), atol=2e-2)
+
+
+class _StoppingDecider:
+    """k = 6 every step, with a DraftStop (engine/decider.py) of acceptance = confidence."""
+
+    def __init__(self, min_gain: float):
+        self.draft_stop = self  # StopsDrafts: this object is also the rule
+        self.min_gain = min_gain
+        self.records = []
+
+    def accept_probability(self, confidence: float) -> float:
+        return confidence
+
+    def decide(self, view):
+        return [6] * len(view.requests)
+
+    def observe(self, record):
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "chain"])
+def test_confidence_stop_is_lossless_and_drafts_where_the_head_is_sure(model, head_dir, proposer):
+    """The decider's DraftStop cuts each draft at the first token whose running product of
+    confidences falls below min_gain: fewer drafts the higher min_gain, none above 1, the same
+    tokens as without speculation throughout; the step records carry each draft's confidence."""
+    ps = prompts(96, 6, seed=4)
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    expected = [o.token_ids for o in tiny_llm(model).generate(ps, params)]
+    drafted = {}
+    for min_gain in (0.0, 0.02, 1.01):
+        decider = _StoppingDecider(min_gain)
+        llm = tiny_llm(model, speculative_config={"proposer": proposer, "k": 6, "draft_head": str(head_dir)},
+                       decider=decider)
+        assert [o.token_ids for o in llm.generate(ps, params)] == expected
+        drafted[min_gain] = llm.engine.stats.num_draft_tokens
+        head_rows = [r for rec in decider.records for r in rec.requests if r.num_proposed]
+        for r in head_rows:
+            assert r.stop_rule and r.confidence is not None and len(r.confidence) == r.num_proposed
+            heads = [c for c in r.confidence if c == c]  # nan: a chained lookup token
+            if proposer == "eagle":
+                # every kept draft's running product is >= min_gain
+                assert math.prod(heads) >= min_gain
+    assert drafted[0.0] > drafted[0.02] > 0
+    if proposer == "eagle":
+        assert drafted[1.01] == 0

@@ -15,6 +15,7 @@ from ..drafts import DraftTokens, DraftTree  # noqa: F401  (re-exported: the pro
 from ..sequence import Sequence
 
 if TYPE_CHECKING:
+    from ..decider import DraftStop
     from ..model_runner import ScheduledSeq
 
 
@@ -34,6 +35,18 @@ class Proposer(Protocol):
 
     def on_finished(self, seq: Sequence) -> None:
         """A sequence finished (proposers that learn across requests may keep its output)."""
+        ...
+
+
+@runtime_checkable
+class StopsEarly(Protocol):
+    """A proposer that drafts token by token with a confidence for each (an EAGLE head) and can
+    stop a request's draft where the decider's ``DraftStop`` says the next token no longer pays."""
+
+    stops_early: bool  # the marker the engine checks (a plain ``propose`` looks alike from outside)
+
+    def propose(self, seqs: list[Sequence], k: list[int], stop: "DraftStop | None" = None) -> DraftTokens:
+        """As ``Proposer.propose``, at most k[i] drafts each, fewer where ``stop`` says so."""
         ...
 
 

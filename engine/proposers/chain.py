@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ..decider import DraftStop
 from ..drafts import DraftTokens
 from ..sequence import Sequence
 from .eagle import EagleProposer
@@ -23,6 +24,7 @@ from .ngram import NgramProposer
 class ChainProposer:
     name = "chain"
     proposes_prefixes = False  # the head's share costs a forward per draft token
+    stops_early = True  # the head's drafts take the decider's DraftStop (lookup drafts are free: kept)
 
     def __init__(self, lookup: NgramProposer, head: EagleProposer, min_match: int = 3):
         if min_match < 1:
@@ -39,14 +41,14 @@ class ChainProposer:
     def observe_target(self, work, captured: torch.Tensor) -> None:
         self.head.observe_target(work, captured)
 
-    def propose(self, seqs: list[Sequence], k: list[int]) -> DraftTokens:
+    def propose(self, seqs: list[Sequence], k: list[int], stop: DraftStop | None = None) -> DraftTokens:
         """Lookup drafts for requests with a match of >= min_match tokens, head drafts for the
         rest. ``confidence`` holds the head's probabilities, nan for lookup tokens (no probability)."""
         t0 = time.perf_counter()
         looked = self.lookup.propose(seqs, k)
         by_lookup = [bool(looked.token_ids[i]) and looked.match_length[i] >= self.min_match for i in range(len(seqs))]
         head_k = [0 if by_lookup[i] else ki for i, ki in enumerate(k)]
-        drafted = self.head.propose(seqs, head_k) if any(head_k) else None
+        drafted = self.head.propose(seqs, head_k, stop) if any(head_k) else None
         tokens, confidence, probs = [], [], []
         for i in range(len(seqs)):
             if by_lookup[i]:

@@ -50,6 +50,7 @@ import torch
 
 from ..block_manager import BlockManager
 from ..config import ModelConfig
+from ..decider import DraftStop
 from ..drafts import DraftTokens
 from ..model.attention import AttentionPlan, paged_attention
 from ..model.attention_cpu import paged_attention_cpu
@@ -370,6 +371,7 @@ class EagleProposer:
 
     name = "eagle"
     proposes_prefixes = False  # each draft token costs a head forward
+    stops_early = True  # takes the decider's DraftStop (proposers/base.py StopsEarly)
 
     def __init__(self, head: EagleHead, kv: tuple[torch.Tensor, torch.Tensor], batcher: ModelRunner,
                  block_manager: BlockManager, default_generator: torch.Generator):
@@ -409,9 +411,13 @@ class EagleProposer:
         # At least the last computed position is fed again: its output gives the first draft.
         return min(fed, seq.num_computed_tokens - 1)
 
-    def propose(self, seqs: list[Sequence], k: list[int]) -> DraftTokens:
+    def propose(self, seqs: list[Sequence], k: list[int], stop: DraftStop | None = None) -> DraftTokens:
+        """Up to k[i] drafts for sequence i, one head pass per draft position for all the
+        sequences still drafting; with ``stop``, sequence i stops at the first draft whose chance
+        of being accepted with all before it falls below ``stop.min_gain`` (that draft dropped)."""
         t0 = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in seqs]
+        reach = [1.0] * len(seqs)  # P(drafts so far all accepted), by stop's calibration
         confidence: list[list[float]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active, items, inputs = [], [], []
@@ -428,26 +434,33 @@ class EagleProposer:
             items.append(ScheduledSeq(seq, seq.token_ids[start + 1:c + 1], start, 1))
             inputs.append(rows)
         features = torch.cat(inputs) if inputs else None  # [N, H]
+        caught_up = list(active)  # their head K/V is current after the first pass, drafts or not
         while items:
             batch = self.batcher.build_batch(items, self.block_manager)
             normed, prenorm = self.head.forward(batch, features, self.kv, self.block_manager.block_size)
             last = batch.logits_indices  # [len(active)] each item's last row
             tokens, conf, probs = self._pick(self.head.draft_logits(normed[last]), [seqs[i] for i in active])
+            stopped = set()
             for row, i in enumerate(active):
+                if stop is not None:
+                    reach[i] *= stop.accept_probability(conf[row])
+                    if reach[i] < stop.min_gain:  # not worth verifying, nor drafting past
+                        stopped.add(i)
+                        continue
                 drafts[i].append(tokens[row])
                 confidence[i].append(conf[row])
                 if probs is not None and not seqs[i].params.greedy:
                     qs[i].append(probs[row])
-            keep = [row for row, i in enumerate(active) if len(drafts[i]) < k[i]]
+            keep = [row for row, i in enumerate(active) if i not in stopped and len(drafts[i]) < k[i]]
             features = prenorm[last][keep]  # [len(keep), H]: each step chains on the head's own h
             active = [active[row] for row in keep]
             items = [ScheduledSeq(seqs[i], [drafts[i][-1]], seqs[i].num_computed_tokens - 1 + len(drafts[i]), 1)
                      for i in active]
-        for i, seq in enumerate(seqs):
-            if drafts[i]:
-                c = seq.num_computed_tokens
-                self._fed[seq.seq_id] = (c, seq.num_preemptions)
-                self._features[seq.seq_id].drop_before(c - 1)
+        for i in caught_up:
+            seq = seqs[i]
+            c = seq.num_computed_tokens
+            self._fed[seq.seq_id] = (c, seq.num_preemptions)
+            self._features[seq.seq_id].drop_before(c - 1)
         draft_probs = None
         if any(qs):
             draft_probs = [torch.stack(q) if q else None for q in qs]  # [k_i, V] each

@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass
 
 from ..block_manager import BlockManager
-from ..decider import RequestView, SpecDecider, StepView
+from ..decider import RequestView, SpecDecider, StepView, draft_stop
 from ..model_runner import ScheduledSeq
 from ..drafts import DraftTokens
-from ..proposers.base import Proposer
+from ..proposers.base import Proposer, StopsEarly
 
 
 @dataclass
@@ -22,6 +22,7 @@ class Proposal:
     k: list[int]  # drafts asked of the proposer (after caps and KV reservation)
     drafts: DraftTokens | None
     decide_s: float = 0.0
+    stopped: bool = False  # the decider's DraftStop was handed to the proposer (drafts may be < k)
 
 
 class Speculator:
@@ -65,13 +66,16 @@ class Speculator:
                 want -= 1
             budget -= want
             k.append(want)
+        stop = draft_stop(self.decider) if isinstance(self.proposer, StopsEarly) else None
         if not any(k):
             drafts = None
         elif ahead is not None:
             drafts = ahead.truncated(k)
+        elif stop is not None:
+            drafts = self.proposer.propose(seqs, k, stop)
         else:
             drafts = self.proposer.propose(seqs, k)
-        return Proposal(k, drafts, decide_s)
+        return Proposal(k, drafts, decide_s, stopped=stop is not None)
 
     @staticmethod
     def draft_items(ready: list[ScheduledSeq], proposal: Proposal) -> list[ScheduledSeq]:
