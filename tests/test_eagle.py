@@ -378,3 +378,41 @@ def test_confidence_stop_is_lossless_and_drafts_where_the_head_is_sure(model, he
     assert drafted[0.0] > drafted[0.02] > 0
     if proposer == "eagle":
         assert drafted[1.01] == 0
+
+
+def test_chain_shows_the_decider_which_requests_its_lookup_serves(model, head_dir):
+    """Before k is decided the chain's lookup runs: a request with a match of >= min_match tokens
+    (lookup drafts) shows them as available (its cap is what exists), the others (head drafts)
+    show none known; the record's match length is the view's, so the planner learns each source
+    in its own belief."""
+    class Recording:
+        def __init__(self):
+            self.views, self.records = [], []
+
+        def decide(self, view):
+            self.views.append(view)
+            return [4] * len(view.requests)
+
+        def observe(self, record):
+            self.records.append(record)
+
+    rng = random.Random(2)
+    motif = [rng.randrange(96) for _ in range(5)]
+    ps = [motif * 4 + [rng.randrange(96) for _ in range(3)] for _ in range(3)] + prompts(96, 3, seed=6)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    expected = [o.token_ids for o in tiny_llm(model).generate(ps, params)]
+    decider = Recording()
+    llm = tiny_llm(model, speculative_config={"proposer": "chain", "k": 4, "draft_head": str(head_dir)}, decider=decider)
+    assert [o.token_ids for o in llm.generate(ps, params)] == expected
+    decided = [rec for rec in decider.records if rec.requests]
+    served = head = 0
+    for view, rec in zip(decider.views, decided):
+        for rv, rr in zip(view.requests, rec.requests):
+            assert rr.match_length == rv.match_length
+            if (rv.match_length or 0) >= 3 and rv.available_drafts:
+                served += 1
+                assert rv.max_k <= rv.available_drafts and rr.k <= rv.available_drafts
+            else:
+                head += rv.max_k > 0
+                assert rv.available_drafts is None
+    assert served > 0 and head > 0

@@ -39,6 +39,17 @@ class Proposer(Protocol):
 
 
 @runtime_checkable
+class LooksUpFirst(Protocol):
+    """A proposer that drafts some requests by lookup and others with a model (the chain): before
+    k is decided it shows the lookup's answer (``DraftTokens`` with drafts only for the requests
+    the lookup will serve, ``match_length`` for all), so the decider can price each request by its
+    own source and the engine can cap those requests at the drafts that exist."""
+
+    def lookup_ahead(self, seqs: list[Sequence], k: list[int]) -> DraftTokens:
+        ...
+
+
+@runtime_checkable
 class StopsEarly(Protocol):
     """A proposer that drafts token by token with a confidence for each (an EAGLE head) and can
     stop a request's draft where the decider's ``DraftStop`` says the next token no longer pays."""

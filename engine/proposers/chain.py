@@ -41,6 +41,13 @@ class ChainProposer:
     def observe_target(self, work, captured: torch.Tensor) -> None:
         self.head.observe_target(work, captured)
 
+    def lookup_ahead(self, seqs: list[Sequence], k: list[int]) -> DraftTokens:
+        """The lookup's drafts for the requests it will serve (a match of >= min_match tokens; []
+        for the head's), and every request's match length (proposers/base.py LooksUpFirst)."""
+        looked = self.lookup.propose(seqs, k)
+        served = [t if m >= self.min_match else [] for t, m in zip(looked.token_ids, looked.match_length)]
+        return DraftTokens(token_ids=served, natural_k=looked.natural_k, match_length=looked.match_length)
+
     def propose(self, seqs: list[Sequence], k: list[int], stop: DraftStop | None = None) -> DraftTokens:
         """Lookup drafts for requests with a match of >= min_match tokens, head drafts for the
         rest. ``confidence`` holds the head's probabilities, nan for lookup tokens (no probability)."""

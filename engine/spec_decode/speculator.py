@@ -12,7 +12,7 @@ from ..block_manager import BlockManager
 from ..decider import RequestView, SpecDecider, StepView, draft_stop
 from ..model_runner import ScheduledSeq
 from ..drafts import DraftTokens
-from ..proposers.base import Proposer, StopsEarly
+from ..proposers.base import LooksUpFirst, Proposer, StopsEarly
 
 
 @dataclass
@@ -47,10 +47,20 @@ class Speculator:
         ahead = self.proposer.propose(seqs, caps) if up_front and any(caps) else None
         if ahead is not None:
             caps = [min(cap, ahead.num_drafts(i)) for i, cap in enumerate(caps)]
+        # Drafts known to exist before k is chosen (None: unknown until then).
+        available: list[int | None] = list(caps) if up_front else [None] * len(seqs)
+        matched = ahead
+        if ahead is None and isinstance(self.proposer, LooksUpFirst) and any(caps):
+            # A chain: the requests its lookup serves are capped at what the lookup found; the
+            # decider sees every request's match length, so it can price the two sources apart.
+            matched = self.proposer.lookup_ahead(seqs, caps)
+            for i, drafts in enumerate(matched.token_ids):
+                if drafts:
+                    caps[i] = available[i] = min(caps[i], len(drafts))
         view = StepView(
             requests=tuple(RequestView(s.seq_id, s.request_id, s.num_tokens, s.num_output_tokens, cap,
-                                       s.params.greedy, cap if up_front else None,
-                                       ahead.match_length[i] if ahead is not None and ahead.match_length else None)
+                                       s.params.greedy, available[i],
+                                       matched.match_length[i] if matched is not None and matched.match_length else None)
                            for i, (s, cap) in enumerate(zip(seqs, caps))),
             proposer=self.proposer.name, draft_budget=budget, **view_extra)
         t0 = time.perf_counter()
