@@ -157,7 +157,9 @@ def test_training_math_is_the_engines_math_for_every_unrolled_step(model, head_d
     tokens are the head's own drafts (the teacher-forced tokens then equal the drafted ones)."""
     loaded = loaded_from_hf(model)
     trainer = make_head(model, head_dir.parent / "again")  # the same weights as head_dir (same seed)
-    llm = tiny_llm(model, dtype=torch.float32, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(head_dir)})
+    # fp32: the checkpoint's weights as they are (the engine's default on CPU is Q8_0 blocks)
+    llm = tiny_llm(model, dtype=torch.float32, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(head_dir),
+                                                                   "draft_head_weights": "fp32"})
     engine = llm.engine
     engine.add_request("r", prompts(96, 1, seed=4)[0], SamplingParams(max_tokens=10, temperature=0.0))
     proposer = engine.speculator.proposer
@@ -416,3 +418,24 @@ def test_chain_shows_the_decider_which_requests_its_lookup_serves(model, head_di
                 head += rv.max_k > 0
                 assert rv.available_drafts is None
     assert served > 0 and head > 0
+
+
+def test_q8_0_head_weights_draft_about_what_fp32_ones_do(model, head_dir):
+    """The engine's default CPU head (Q8_0 projections) against the checkpoint's fp32 weights:
+    the same first-draft distribution up to rounding, and greedy speculation lossless either way."""
+    ps = prompts(96, 4, seed=13)
+    confidences = {}
+    for fmt in ("fp32", "q8_0"):
+        llm = tiny_llm(model, dtype=torch.float32, speculative_config={
+            "proposer": "eagle", "k": 3, "draft_head": str(head_dir), "draft_head_weights": fmt})
+        proposer = llm.engine.speculator.proposer
+        assert proposer.head.weight_format == fmt
+        engine = llm.engine
+        engine.add_request("r", ps[0], SamplingParams(max_tokens=8, temperature=0.0))
+        engine.step()  # prefill
+        seq = engine._by_request["r"][0]
+        assert engine.block_manager.ensure_capacity(seq, seq.num_computed_tokens + 2)
+        confidences[fmt] = proposer.propose([seq], [1]).confidence[0][0]
+    assert abs(confidences["fp32"] - confidences["q8_0"]) < 0.05
+    with pytest.raises(ValueError, match="draft_head_weights"):
+        tiny_llm(model, speculative_config={"proposer": "eagle", "draft_head": str(head_dir), "draft_head_weights": "q4"})

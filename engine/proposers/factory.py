@@ -23,7 +23,7 @@ def make_draft_model(spec: SpecConfig, target: Model, config: EngineConfig,
     """The drafter for the model-based proposers (a draft model, or an EAGLE-3 head), None for the
     others (``loaded``: a draft model already in memory)."""
     if spec.proposer in HEAD_PROPOSERS:
-        return EagleHead.load(spec.draft_head, target)
+        return EagleHead.load(spec.draft_head, target, spec.draft_head_weights)
     if spec.proposer == "layer-skip":
         n = spec.draft_layers
         if not 1 <= n < target.config.num_layers:
