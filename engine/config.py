@@ -150,7 +150,11 @@ class SpecConfig:
     # 32 int8 with a scale: a draft pass streams 3.8x fewer bytes than fp32; measured in
     # reports/eagle) or "fp32" (the checkpoint's weights as they are). Elsewhere always as stored.
     draft_head_weights: str = "q8_0"
-    chain_min_match: int = 3  # for "chain": n-gram drafts where the match is at least this long
+    # For "chain": n-gram drafts where the lookup matched at least this many tokens, the head's
+    # elsewhere. 1: wherever the lookup finds anything (the shipped SmolLM2 head accepts less than
+    # a 1-token match's lookup drafts over three positions, and a lookup costs no head pass;
+    # reports/eagle).
+    chain_min_match: int = 1
     ngram_min: int = 1
     ngram_max: int = 4
 

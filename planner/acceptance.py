@@ -156,23 +156,21 @@ LOOKUP_PROPOSERS = frozenset({"ngram", "suffix"})
 # proposer reports natural_k = min(available, max_natural_k), 8 by default in the engine.
 _MODEL_PRIOR = ProposerPrior(alpha=0.6, p_first=1.0, p_continue=1.0)
 _HEAD_PRIOR = ProposerPrior(alpha=0.35, p_first=1.0, p_continue=1.0, alpha_first=0.35)
+# (alpha_first, alpha) of n-gram drafts per match bucket, measured by scripts/measure_match_acceptance.py
+# (SmolLM2-135M, greedy, 24 prompts per workload that the evaluation does not use;
+# reports/README.md#planner-measurements).
+_NGRAM_BY_MATCH = ((0.2, 0.65), (0.5, 0.75), (0.65, 0.75), (0.73, 0.82), (0.87, 0.9), (0.93, 0.94))
 DEFAULT_PRIORS: Mapping[str, ProposerPrior] = MappingProxyType({
-    # by_match_length, per match_bucket: measured by scripts/measure_match_acceptance.py
-    # (SmolLM2-135M, greedy, 24 prompts per workload that the evaluation does not use;
-    # reports/README.md#planner-measurements).
     "ngram": ProposerPrior(alpha=0.7, p_first=0.6, p_continue=0.85, natural_k_exact_below=8, alpha_first=0.5,
-                           by_match_length=((0.2, 0.65), (0.5, 0.75), (0.65, 0.75), (0.73, 0.82), (0.87, 0.9),
-                                            (0.93, 0.94))),
+                           by_match_length=_NGRAM_BY_MATCH),
     "suffix": ProposerPrior(alpha=0.7, p_first=0.6, p_continue=0.85, alpha_first=0.5),
     # An EAGLE-3 head always proposes k tokens. Its acceptance is the shipped SmolLM2 head's on the
     # evaluation's MT-Bench prompts (reports/eagle: about 0.35 for the first draft and for each
     # next one); a better head moves the beliefs up within a few steps.
     "eagle": _HEAD_PRIOR,
-    # The chain: lookup drafts where the match is >= 3 tokens (the n-gram's measured acceptance by
-    # match length), the head's drafts after shorter matches or none.
-    "chain": dataclasses.replace(_HEAD_PRIOR, by_match_length=(
-        (_HEAD_PRIOR.alpha_first, _HEAD_PRIOR.alpha), (_HEAD_PRIOR.alpha_first, _HEAD_PRIOR.alpha),
-        (0.65, 0.75), (0.73, 0.82), (0.87, 0.9), (0.93, 0.94))),
+    # The chain (engine/proposers/chain.py): lookup drafts wherever the lookup matched (priced as
+    # the n-gram's, by match length), the head's where it found nothing (bucket None).
+    "chain": dataclasses.replace(_HEAD_PRIOR, by_match_length=_NGRAM_BY_MATCH),
 })
 
 

@@ -136,6 +136,16 @@ def training_pool(tokenizer, quotas: dict, heldout_fraction: float, seed: int) -
     return [s[i] for i in range(max(map(len, per_source))) for s in per_source if i < len(s)]
 
 
+def spend(work_dir: Path, stage: str, minutes: float) -> dict[str, float]:
+    """Add ``minutes`` to a stage's wall time in the work folder's ledger (``minutes.json``) and
+    return the ledger: a run resumed over several invocations reports what it cost in all."""
+    path = work_dir / "minutes.json"
+    spent = json.loads(path.read_text()) if path.exists() else {}
+    spent[stage] = round(spent.get(stage, 0.0) + minutes, 2)
+    path.write_text(json.dumps(spent) + "\n")
+    return spent
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
@@ -261,6 +271,8 @@ def generate_responses(loaded, settings: TrainSettings, pool: list[dict]) -> lis
         from safetensors.torch import save_file
 
         save_file({rid: rows for rid, rows in feature_chunks}, str(settings.work_dir / f"recorded-{int(time.time())}.safetensors"))
+    if todo:
+        spend(settings.work_dir, "data", (time.perf_counter() - t0) / 60)
     if done:  # an empty stage (cut off before any answer) runs again next time
         finished.write_text(f"{len(done)} responses\n")
     return [done[r["id"]] for r in pool if r["id"] in done]
@@ -693,13 +705,18 @@ def run(settings: TrainSettings, echo=print) -> Path | None:
     if settings.stop_after == "features":
         return None
     draft_ids = draft_vocabulary(records, c.vocab_size, settings.draft_vocab_size)
+    t_train = time.perf_counter()
     head, result = train_head(loaded, settings, feats, records, layers, draft_ids)
+    spent = spend(settings.work_dir, "train", (time.perf_counter() - t_train) / 60)
     minutes = (time.perf_counter() - t_start) / 60
     echo(f"held-out acceptance (greedy, k={settings.ttt_steps}, {result['proposals']} proposals): "
          f"{result['mean_accepted']:.2f} accepted drafts per step; per position "
          + ", ".join(f"{x:.2f}" for x in result["per_position"]))
-    path = export_head(loaded, settings, head, draft_ids, layers, records, {**result, "minutes": round(minutes, 1)})
-    echo(f"wrote {path} ({sum(f.stat().st_size for f in path.iterdir()) / 1e6:.1f} MB) in {minutes:.1f} min")
+    total = round(sum(spent.values()), 1)
+    path = export_head(loaded, settings, head, draft_ids, layers, records,
+                       {**result, "minutes": total, "minutes_by_stage": spent})
+    echo(f"wrote {path} ({sum(f.stat().st_size for f in path.iterdir()) / 1e6:.1f} MB); this run {minutes:.1f} min, "
+         f"the head {total} min in all ({', '.join(f'{k} {v:.1f}' for k, v in spent.items())})")
     return path
 
 
@@ -720,7 +737,7 @@ def export_head(loaded, settings: TrainSettings, head: HeadModule, draft_ids: to
     sources = {}
     for r in records:
         sources.setdefault(r["source"], {"train": 0, "heldout": 0})[r["split"]] += 1
-    extra = {"command": settings.command, "minutes": minutes,
+    extra = {"command": settings.command, "minutes": minutes, "minutes_by_stage": result.get("minutes_by_stage"),
              "data": {"sources": sources, "response_tokens": num_tokens, "max_tokens": settings.max_tokens,
                       "partial_responses": sum(bool(r.get("partial")) for r in records),
                       "generation": "the target itself, greedy, specplan engine",

@@ -411,7 +411,7 @@ def test_chain_shows_the_decider_which_requests_its_lookup_serves(model, head_di
     for view, rec in zip(decider.views, decided):
         for rv, rr in zip(view.requests, rec.requests):
             assert rr.match_length == rv.match_length
-            if (rv.match_length or 0) >= 3 and rv.available_drafts:
+            if (rv.match_length or 0) >= 1 and rv.available_drafts:  # chain_min_match 1: any match
                 served += 1
                 assert rv.max_k <= rv.available_drafts and rr.k <= rv.available_drafts
             else:

@@ -1,8 +1,10 @@
-"""Chained proposer: n-gram lookup where the context offers a long match, the EAGLE-3 head otherwise.
+"""Chained proposer: n-gram lookup where the context offers a match, the EAGLE-3 head otherwise.
 
-Per request and per step: a lookup whose match is at least ``min_match`` tokens long is accepted
-far more often than a short one (reports/README.md#engine-measurements) and costs nothing, so
-those requests take the lookup's drafts; every other request drafts with the head. The head's
+Per request and per step: a lookup whose match is at least ``min_match`` tokens long takes the
+request (its drafts cost nothing, and a longer match is accepted far more often:
+reports/README.md#engine-measurements); every other request drafts with the head. The default,
+1, gives the head only the requests the lookup has nothing for: with the shipped SmolLM2 head even
+a 1-token match's lookup drafts were worth more than the head's (reports/eagle). The head's
 features keep arriving for all requests (``observe_target``), so it catches up whenever a request
 comes back to it.
 """
@@ -26,7 +28,7 @@ class ChainProposer:
     proposes_prefixes = False  # the head's share costs a forward per draft token
     stops_early = True  # the head's drafts take the decider's DraftStop (lookup drafts are free: kept)
 
-    def __init__(self, lookup: NgramProposer, head: EagleProposer, min_match: int = 3):
+    def __init__(self, lookup: NgramProposer, head: EagleProposer, min_match: int = 1):
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1, got {min_match}")
         self.lookup = lookup
