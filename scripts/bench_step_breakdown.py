@@ -15,8 +15,10 @@ in that round, the KV cache's bytes at the same bandwidth. The roofline floor of
 larger of its compute and its bytes; a step that runs attention (memory-bound at large B) after
 the products (compute-bound there) cannot go below their sum without overlapping the two.
 
-A development benchmark: `.venv/bin/python scripts/bench_step_breakdown.py [B,T ...]` from the repo
-root (default: 1,1 8,1 32,1), on a quiet machine.
+A development benchmark: `.venv/bin/python scripts/bench_step_breakdown.py [--quantize gguf] [B,T ...]`
+from the repo root (default: 1,1 8,1 32,1), on a quiet machine. With ``--quantize`` (load_model's
+schemes: gguf keeps the embedded model's Q4_1 blocks) the weights floor is at the bytes per weight
+the kernels stream.
 """
 import statistics
 import sys
@@ -62,15 +64,20 @@ def attention_calls(op, cfg, batch: int, tokens: int, distinct_layers: int):
     return run
 
 
-def main(shapes: list[tuple[int, int]]) -> None:
-    loaded = load_model(None)
+def in_features(lin) -> int:
+    """K of a projection: packed fp32 is [P, K, 32], quantized blocks [P, K / 32, bytes per block]."""
+    return lin.packed.shape[1] * (32 if hasattr(lin, "fmt") else 1)
+
+
+def main(shapes: list[tuple[int, int]], quantize: str = "none") -> None:
+    loaded = load_model(None, quantize=quantize)
     cfg = loaded.config
     attention_op = load_kernel()
     if attention_op is None:
         raise SystemExit("the CPU kernels could not be built here")
     peak = measure_peak_flops()
     probe = BandwidthProbe()
-    print(f"peak matmul {peak / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads; medians of {ROUNDS} rounds (ms)")
+    print(f"weights: {quantize} ({loaded.bytes_per_weight():.4f} bytes per weight); peak matmul {peak / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads; medians of {ROUNDS} rounds (ms)")
     print("   B  T  GB/s   step  products  attn cold  attn hot  rest | compute floor  weights floor  KV floor  roofline floor  step/floor")
     for batch, tokens in shapes:
         timer = StepTimer(timing_engine(loaded, max_batch=batch, max_tokens_per_seq=max(tokens, 2), context=CONTEXT))
@@ -79,11 +86,11 @@ def main(shapes: list[tuple[int, int]]) -> None:
         linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         linears.append(model.lm_head)
         rows = batch * tokens
-        inputs = {lin.packed.shape[1]: torch.randn(rows, lin.packed.shape[1]) for lin in linears}  # [rows, K]
+        inputs = {in_features(lin): torch.randn(rows, in_features(lin)) for lin in linears}  # [rows, K]
 
         def products():
             for lin in linears:
-                lin(inputs[lin.packed.shape[1]])
+                lin(inputs[in_features(lin)])
         cold = attention_calls(attention_op, cfg, batch, tokens, cfg.num_layers)
         hot = attention_calls(attention_op, cfg, batch, tokens, 1)
         timer.time_steps(tokens, repeats=1, warmup=1)
@@ -95,7 +102,7 @@ def main(shapes: list[tuple[int, int]]) -> None:
             per_round["cold"].append(median_ms(cold))
             per_round["hot"].append(median_ms(hot))
         m = {name: statistics.median(values) for name, values in per_round.items()}
-        cost = decode_step_cost(cfg, batch, tokens, CONTEXT)
+        cost = decode_step_cost(cfg, batch, tokens, CONTEXT, weight_itemsize=loaded.bytes_per_weight())
         bandwidth = m["gbs"] * 1e9
         weights_ms, kv_ms = 1e3 * cost.weight_bytes / bandwidth, 1e3 * cost.kv_bytes / bandwidth
         compute_ms = 1e3 * cost.flops / peak
@@ -107,6 +114,9 @@ def main(shapes: list[tuple[int, int]]) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:] or ["1,1", "8,1", "32,1"]
+    args = sys.argv[1:]
+    quantize = "none"
+    if args[:1] == ["--quantize"]:
+        quantize, args = args[1], args[2:]
     with torch.inference_mode():
-        main([tuple(int(x) for x in a.split(",")) for a in args])
+        main([tuple(int(x) for x in a.split(",")) for a in args or ["1,1", "8,1", "32,1"]], quantize)

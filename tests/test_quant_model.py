@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from scipy.stats import chisquare
 
 from conftest import loaded_from_hf, tiny_hf_model
 from specplan.bench.quant_bench import prefill_logits
@@ -61,6 +62,60 @@ def test_greedy_speculation_is_lossless_on_the_quantized_target(model, scheme, p
     llm = _llm(loaded, speculative_config={"proposer": proposer, "k": k, "draft_layers": 2})
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert llm.engine.stats.num_accepted_tokens > 0, "nothing accepted: the verify path was never exercised"
+
+
+def _last_logits(model: Model, seqs: list[list[int]], block_size: int = 16, chunk: int = 1024) -> torch.Tensor:
+    """Logits [N, V] after each of N equal-length sequences, many sequences per prefill step."""
+    from specplan.engine.batch import TokenBatch
+    from specplan.engine.model_runner import allocate_kv_cache, layer_caches
+
+    length = len(seqs[0])
+    per_seq = -(-length // block_size)  # blocks per sequence
+    out = []
+    for start in range(0, len(seqs), chunk):
+        part = seqs[start:start + chunk]
+        n = len(part)
+        starts = torch.arange(n + 1, dtype=torch.int32) * length  # [n + 1]
+        # Sequence i owns blocks [i * per_seq, (i + 1) * per_seq): position p's slot is i * per_seq * block_size + p.
+        slots = (torch.arange(n)[:, None] * per_seq * block_size + torch.arange(length)[None]).flatten()  # [n * length]
+        batch = TokenBatch(input_ids=torch.tensor(part).flatten(), positions=torch.arange(length).repeat(n),
+                           query_start_loc=starts, seq_lens=torch.full((n,), length, dtype=torch.int32),
+                           slot_mapping=slots, block_tables=torch.arange(n * per_seq, dtype=torch.int32).view(n, per_seq),
+                           logits_indices=starts[1:].long() - 1, query_lens_host=[length] * n,
+                           seq_lens_host=[length] * n)
+        cache = allocate_kv_cache(model.config, n * per_seq, block_size, torch.float32, torch.device("cpu"))
+        hidden = model.forward(batch, layer_caches(cache), block_size)  # [n * length, hidden]
+        out.append(model.compute_logits(hidden[batch.logits_indices]))  # [n, V]
+    return torch.cat(out)
+
+
+def test_sampled_speculation_keeps_the_quantized_targets_distribution(model):
+    """Sampled tokens 2 and 3 under layer-skip drafts (q != p, so rejection sampling resamples)
+    follow the exact marginals of the *quantized* target, computed from its own logits over every
+    context (chi-square): speculation is lossless against the model the engine actually runs."""
+    loaded = quantize_model(loaded_from_hf(model), "q4")
+    vocab, n = model.config.vocab_size, 3000
+    prompt = repetitive_prompts(vocab, n=1, seed=5)[0][:8]
+    llm = LLM(loaded=loaded, dtype=torch.float32, kv_cache_bytes=64 * 1024**2, block_size=4, max_num_seqs=n,
+              max_num_batched_tokens=40_000,
+              speculative_config={"proposer": "layer-skip", "k": 2, "draft_layers": 1})
+    outs = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=1.0, n=n, seed=321))
+    stats = llm.engine.stats
+    assert stats.num_draft_tokens >= n and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    target = Model(loaded.config, loaded.weights, "cpu", torch.float32)
+    with torch.no_grad():
+        p0 = _last_logits(target, [prompt]).double().softmax(-1)[0]  # [V]: p(t0)
+        p1 = _last_logits(target, [prompt + [a] for a in range(vocab)]).double().softmax(-1)  # [V, V]: p(t1 | t0)
+        p2 = _last_logits(target, [prompt + [a, b] for a in range(vocab) for b in range(vocab)]
+                          ).double().softmax(-1).view(vocab, vocab, vocab)  # p(t2 | t0, t1)
+    joint01 = p0[:, None] * p1  # [V, V]
+    marginals = [p0 @ p1, (joint01[:, :, None] * p2).sum((0, 1))]
+    for position, want in zip((1, 2), marginals):
+        got = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=vocab).double()
+        support = want * n >= 5
+        obs = torch.cat([got[support], got[~support].sum()[None]])
+        exp = torch.cat([want[support], want[~support].sum()[None]]) * n
+        assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-4, position
 
 
 @pytest.mark.parametrize("scheme,min_cosine,min_agreement", [("int8", 0.998, 0.9), ("q4", 0.9, 0.5)])
