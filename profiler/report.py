@@ -23,7 +23,9 @@ def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int) -> int 
 
 
 def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedModel, path: Path, command: str,
-                          seconds: float, quick: bool) -> Path:
+                          seconds: float, quick: bool, weight_itemsize: float | None = None) -> Path:
+    """The profile's Markdown report and plots. ``weight_itemsize``: bytes per weight when the
+    weights are another engine's (run.py ``build_profile``; default: what ``loaded`` holds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,7 +36,7 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
     c = profile.ceilings
     cfg = loaded.config
     g = grid.copy()
-    w_item = loaded.bytes_per_weight()
+    w_item = weight_itemsize if weight_itemsize is not None else loaded.bytes_per_weight()
     costs = [decode_step_cost(cfg, int(r.batch_size), int(r.tokens_per_seq), int(r.context), weight_itemsize=w_item)
              for r in g.itertuples()]
     g["intensity"] = [x.intensity for x in costs]

@@ -155,16 +155,17 @@ def _fit_draft_rounds(drafts: pd.DataFrame) -> DraftCost:
 
 def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, drafts: pd.DataFrame | None,
                   draft_costs: dict[str, DraftCost], dtype: torch.dtype, device: str,
-                  fingerprint_override: Fingerprint | None = None) -> Profile:
+                  fingerprint_override: Fingerprint | None = None, weight_itemsize: float | None = None) -> Profile:
     """The profile of a measured grid. ``drafts``: the layer-skip draft's rounds (None: another
     engine's grid, profiler/vllm_timer.py); ``fingerprint_override``: what was measured, when it
-    is not specplan's engine here."""
+    is not specplan's engine here; ``weight_itemsize``: bytes a step streams per weight, when the
+    weights are another engine's (default: what ``loaded`` holds)."""
     cfg = loaded.config
     shapes = [StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)) for r in grid.itertuples()]
     secs = grid["seconds"].tolist()
     model = fit_latency_model(shapes, secs)
     held_err, held = heldout_error(shapes, secs)
-    w_item = loaded.bytes_per_weight()  # 4 for float32 weights; 0.625 for Q4_1 blocks
+    w_item = weight_itemsize if weight_itemsize is not None else loaded.bytes_per_weight()  # 4 for float32 weights; 0.625 for Q4_1 blocks
     roofline = [decode_step_cost(cfg, int(r.batch_size), int(r.tokens_per_seq), int(r.context), weight_itemsize=w_item)
                 .roofline_seconds(ceilings.peak_flops, ceilings.bandwidth) for r in grid.itertuples()]
     one = layer_costs(cfg, [1], [1])

@@ -259,8 +259,10 @@ def run_vllm_profile(model: str | None = None, quick: bool = True, out: Path | N
     fp = fingerprint(config, torch.float32, header["device"]).model_copy(
         update={"kernels": header["kernels"], "model_config_hash": header["model_config_hash"],
                 "dtype": header["dtype"], "threads": header.get("threads", torch.get_num_threads())})
+    # vLLM holds the weights, in the dtype it reports: the roofline reads that many bytes per weight.
+    itemsize = getattr(torch, header["dtype"]).itemsize
     profile = build_profile(described, ceilings, grid, None, _measure_cheap_proposers(), torch.float32,
-                            header["device"], fingerprint_override=fp)
+                            header["device"], fingerprint_override=fp, weight_itemsize=itemsize)
     out = out or default_profile_path(profile.fingerprint)
     grid_path = out.with_suffix(".grid.parquet")
     grid_path.parent.mkdir(parents=True, exist_ok=True)
@@ -269,5 +271,5 @@ def run_vllm_profile(model: str | None = None, quick: bool = True, out: Path | N
     profile.save(out)
     slug = f"{name}-{header['kernels']}".replace("/", "_")
     report = render_profile_report(profile, grid, described, report_dir / f"profile-{slug}.md", command=command,
-                                   seconds=time.perf_counter() - t0, quick=quick)
+                                   seconds=time.perf_counter() - t0, quick=quick, weight_itemsize=itemsize)
     return profile, out, report

@@ -204,3 +204,22 @@ def test_machine_info_names_the_machine_and_missing_libraries():
     assert info["specplan_no_such_library"] is None
     assert describe(info).startswith(f"Machine: cpu {info['cpu']}, cores {info['cores']}, ")
     assert "specplan_no_such_library" not in describe(info)
+
+
+def test_a_grid_measured_on_another_engine_builds_without_our_weights(tiny_profile, tmp_path):
+    """vLLM's profile (profiler/vllm_timer.py) describes the model without loading its weights:
+    the roofline then reads the bytes per weight it is given, not the (empty) weights."""
+    from specplan.engine import LoadedModel
+
+    loaded, grid, profile = tiny_profile
+    described = LoadedModel(config=loaded.config, weights={}, tokenizer=None, path=loaded.path, name=loaded.name)
+    ceilings = Ceilings(peak_flops=1e11, bandwidth=2e10, device="cpu", dtype="float32", threads=2)
+    other = build_profile(described, ceilings, grid, None, _measure_cheap_proposers(repeats=16), torch.float32, "cpu",
+                          weight_itemsize=4.0)
+    assert other.fit.num_cells == profile.fit.num_cells
+    assert other.cost.weight_bytes == pytest.approx(profile.cost.weight_bytes)  # fp32 both ways
+    report = render_profile_report(other, grid, described, tmp_path / "profile.md", command="test", seconds=1.0,
+                                   quick=True, weight_itemsize=4.0)
+    assert "Ceilings" in report.read_text()
+    with pytest.raises(KeyError):  # what the vLLM profile hit before it passed the weights' size
+        build_profile(described, ceilings, grid, None, {}, torch.float32, "cpu")
