@@ -8,6 +8,7 @@ import pytest
 
 from specplan.bench.coldstart import (ADAPTIVE, OFF, WARM, CalibrationRecorder, ChildJob, render, spawn,
                                       summarize)
+from specplan.bench.evaluate import NULL_CONTROL
 from specplan.engine.decider import RequestRecord, RequestView, StepRecord, StepView
 from specplan.planner import Planner
 from specplan.policies import make_policy
@@ -49,6 +50,11 @@ def test_mixed_and_calibration_summary_by_hand():
     m = summarize([], mixed, [])["mixed"]
     assert m["paired_vs_off"] == pytest.approx(1.0) and m["lossless"]
     assert m["meets_bar"]  # >= 0.98 x off and >= the best static k (off here)
+    assert m["null_control_vs_off"] is None  # no null-control arm ran
+    null = [{"arm": NULL_CONTROL, "run": run, "batch": 16, "goodput": g, "digest": "x"} for run, g in enumerate([90, 104])]
+    m = summarize([], mixed + null, [])["mixed"]
+    assert m["null_control_vs_off"] == pytest.approx((0.9 + 1.04) / 2)  # median of the per-run ratios
+    assert m["paired_vs_best_static"] == pytest.approx(1.0)  # the control is not a static k
     calibration = [{"workload": "w", "requests_seen": seen, "bucket": "1", "predicted_first": p, "first_accepted": a,
                     "predicted_accepted": p, "accepted": a, "k": 1}
                    for seen, p, a in ((0, 0.2, 1.0), (1, 0.4, 0.0), (10, 0.5, 1.0), (50, 0.9, 1.0))]
@@ -60,7 +66,8 @@ def test_mixed_and_calibration_summary_by_hand():
 
 def test_report_renders(tmp_path):
     rows = cold_rows({OFF: [10, 12], "static:2": [13, 12], ADAPTIVE: [13, 13], WARM: [14, 14]})
-    mixed = [{"arm": arm, "run": 0, "batch": 16, "goodput": g, "digest": "x"} for arm, g in ((OFF, 100), (ADAPTIVE, 99))]
+    mixed = [{"arm": arm, "run": 0, "batch": 16, "goodput": g, "digest": "x"}
+             for arm, g in ((OFF, 100), (ADAPTIVE, 99), (NULL_CONTROL, 97))]
     calibration = [{"workload": "w", "requests_seen": 0, "bucket": "4-7", "predicted_first": 0.7, "first_accepted": 1.0,
                     "predicted_accepted": 2.0, "accepted": 3, "k": 4}]
     result = {"command": "test", "date": "today", "machine": "Machine: test.",
@@ -69,6 +76,7 @@ def test_report_renders(tmp_path):
               "summary": summarize(rows, mixed, calibration, after=(0,), window=5)}
     text = render(result, tmp_path).read_text()
     assert "| w | static:2 | adaptive |" in text and "Mixed batch, B = 16" in text and "| w | 0 | 4-7 | 1 |" in text
+    assert "reads 0.970x SD off" in text  # the mixed cell's null control
     assert (tmp_path / "coldstart.png").stat().st_size > 1000
 
 

@@ -177,7 +177,7 @@ def cold_start_rows(loaded, profile_path: Path, *, workloads=WORKLOADS, prompts:
 def mixed_rows(loaded, profile, *, batch: int = 16, runs: int = 5, static_ks=STATIC_KS, max_tokens: int = 128,
                workloads=WORKLOADS, proposer: str = "ngram", bar=None) -> list[dict]:
     """One row per (arm, run): every workload in one closed batch of ``batch`` requests."""
-    from specplan.bench.evaluate import _engine, run_cell
+    from specplan.bench.evaluate import NULL_CONTROL, _engine, run_cell
     from specplan.engine import FixedDecider
     from specplan.planner.from_profile import planner_from_profile
     from specplan.policies import make_policy
@@ -188,6 +188,7 @@ def mixed_rows(loaded, profile, *, batch: int = 16, runs: int = 5, static_ks=STA
     engine = _engine(loaded, proposer, len(prompts), 8)
     makers = [(OFF, lambda: FixedDecider(0))] + [(f"static:{k}", lambda k=k: FixedDecider(k)) for k in static_ks if k]
     makers.append((ADAPTIVE, lambda: planner_from_profile(profile, make_policy("goodput"), proposer=proposer, max_k=8)))
+    makers.append((NULL_CONTROL, lambda: FixedDecider(0)))  # SD off again: what the cell's noise alone reads
     task = bar.add_task("mixed batch", total=runs * len(makers)) if bar else None
     rows = []
     for run in range(runs):
@@ -280,7 +281,7 @@ def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, a
               window: int = 5) -> dict:
     """Per cell: each arm's median and spread over runs, the adaptive arms' paired ratios and the
     bar; calibration per (workload, checkpoint, bucket); whether every arm produced the same tokens."""
-    from specplan.bench.evaluate import paired_ratios
+    from specplan.bench.evaluate import NULL_CONTROL, paired_ratios
 
     out: dict[str, Any] = {"cold_start": {}, "mixed": None, "calibration": {}}
     by_cell: dict[str, dict[str, dict[int, list[dict]]]] = {}
@@ -308,9 +309,11 @@ def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, a
         for r in sorted(mixed, key=lambda r: r["run"]):
             runs.setdefault(r["arm"], []).append(r["goodput"])
         vs_off, vs_best = paired_ratios(runs, ADAPTIVE) if ADAPTIVE in runs else (math.nan, math.nan)
+        null = (statistics.median(c / o for c, o in zip(runs[NULL_CONTROL], runs[OFF]))
+                if NULL_CONTROL in runs else None)
         out["mixed"] = {"batch": mixed[0]["batch"], "goodput_median": {a: statistics.median(v) for a, v in runs.items()},
                         "spread": {a: _spread(v) for a, v in runs.items()}, "goodput_runs": runs,
-                        "paired_vs_off": vs_off, "paired_vs_best_static": vs_best,
+                        "paired_vs_off": vs_off, "paired_vs_best_static": vs_best, "null_control_vs_off": null,
                         "meets_bar": vs_off >= MIXED_VS_OFF and vs_best >= 1.0,
                         "lossless": len({r["digest"] for r in mixed}) == 1}
     for r in calibration:
@@ -338,6 +341,8 @@ def render(result: dict, out_dir: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from specplan.bench.evaluate import NULL_CONTROL
 
     s, cfg = result["summary"], result["config"]
     lines = ["# Cold start: the planner on traffic it has not seen", "",
@@ -382,6 +387,9 @@ def render(result: dict, out_dir: Path) -> Path:
                   f"`{ADAPTIVE}` paired: {mixed['paired_vs_off']:.3f}x SD off, {mixed['paired_vs_best_static']:.3f}x "
                   f"the best static k (bar: >= {MIXED_VS_OFF} and >= 1.0: {'met' if mixed['meets_bar'] else 'not met'}). "
                   f"Identical tokens in every arm: {'yes' if mixed['lossless'] else 'NO'}."]
+        if mixed.get("null_control_vs_off") is not None:
+            lines += ["", f"Null control: SD off run a second time as its own arm (`{NULL_CONTROL}`) reads "
+                      f"{mixed['null_control_vs_off']:.3f}x SD off, paired the same way: the cell's noise."]
     calib = s["calibration"]
     if calib:
         lines += ["", "## Calibration: predicted vs measured acceptance per match-length bucket", "",
