@@ -13,10 +13,10 @@ from .latency_model import StepShape
 from .profile import Profile
 
 
-def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int) -> int | None:
+def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int, weight_itemsize: float) -> int | None:
     """Smallest tokens-per-step (B*T, T=1) whose analytic intensity passes the ridge."""
     for tokens in range(1, 4097):
-        cost = decode_step_cost(loaded.config, tokens, 1, context, weight_itemsize=loaded.bytes_per_weight())
+        cost = decode_step_cost(loaded.config, tokens, 1, context, weight_itemsize=weight_itemsize)
         if cost.intensity > profile.ceilings.ridge:
             return tokens
     return None
@@ -79,7 +79,7 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
     fig.savefig(f"{stem}-itl.png", dpi=120)
     plt.close(fig)
 
-    crossing = _ridge_crossing(profile, loaded, ctx0)
+    crossing = _ridge_crossing(profile, loaded, ctx0, w_item)
     f = profile.fit
     lines = [
         f"# Profile: {loaded.name} on {profile.fingerprint.device} ({profile.fingerprint.cpu})", "",
