@@ -124,3 +124,19 @@ def flat_profile(loaded):
                    latency_model=model.to_dict(), fit=FitError(heldout_mape=1, train_mape=1, roofline_mape=1,
                                                                num_cells=9, num_heldout=0),
                    max_batch=4, max_tokens_per_seq=4)
+
+
+def assert_follows_marginals(outs, p0: torch.Tensor, p1: torch.Tensor, p2: torch.Tensor) -> None:
+    """Sampled tokens 2 and 3 of ``outs`` (one prompt, n samples) follow the exact marginals of a
+    target with p0 [V] = p(t0), p1 [V, V] = p(t1 | t0), p2 [V, V, V] = p(t2 | t0, t1) (chi-square,
+    the cells expected below 5 draws pooled into one)."""
+    from scipy.stats import chisquare
+
+    n, vocab = len(outs), p0.shape[0]
+    joint01 = p0[:, None] * p1  # [V, V]
+    for position, want in zip((1, 2), (p0 @ p1, (joint01[:, :, None] * p2).sum((0, 1)))):
+        got = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=vocab).double()
+        support = want * n >= 5
+        obs = torch.cat([got[support], got[~support].sum()[None]])
+        exp = torch.cat([want[support], want[~support].sum()[None]]) * n
+        assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-4, position

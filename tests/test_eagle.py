@@ -9,9 +9,8 @@ import random
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from conftest import loaded_from_hf, tiny_hf_model, tiny_llm
+from conftest import assert_follows_marginals, loaded_from_hf, tiny_hf_model, tiny_llm
 from specplan.engine import SamplingParams
 from specplan.engine.batch import TokenBatch
 from specplan.engine.model.transformer import Model
@@ -203,14 +202,7 @@ def test_sampled_speculation_with_the_head_keeps_the_target_distribution(model, 
         p1 = model(ctx1).logits[:, -1].double().softmax(-1)  # [V, V]: p(t1 | t0)
         ctx2 = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
         p2 = model(ctx2).logits[:, -1].double().softmax(-1).view(V, V, V)  # p(t2 | t0, t1)
-    joint01 = p0[:, None] * p1  # [V, V]
-    marginals = [p0 @ p1, (joint01[:, :, None] * p2).sum((0, 1))]
-    for position, want in zip((1, 2), marginals):
-        got = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=V).double()
-        support = want * n >= 5
-        obs = torch.cat([got[support], got[~support].sum()[None]])
-        exp = torch.cat([want[support], want[~support].sum()[None]]) * n
-        assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-4, position
+    assert_follows_marginals(outs, p0, p1, p2)
 
 
 def test_a_head_for_another_model_or_vocabulary_is_refused(model, tmp_path, head_dir):

@@ -9,9 +9,8 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from scipy.stats import chisquare
 
-from conftest import loaded_from_hf, tiny_hf_model
+from conftest import assert_follows_marginals, loaded_from_hf, tiny_hf_model
 from specplan.bench.quant_bench import prefill_logits
 from specplan.engine import LLM, ModelLoadError, SamplingParams, load_model
 from specplan.engine.model.linear import packed_available
@@ -108,14 +107,7 @@ def test_sampled_speculation_keeps_the_quantized_targets_distribution(model):
         p1 = _last_logits(target, [prompt + [a] for a in range(vocab)]).double().softmax(-1)  # [V, V]: p(t1 | t0)
         p2 = _last_logits(target, [prompt + [a, b] for a in range(vocab) for b in range(vocab)]
                           ).double().softmax(-1).view(vocab, vocab, vocab)  # p(t2 | t0, t1)
-    joint01 = p0[:, None] * p1  # [V, V]
-    marginals = [p0 @ p1, (joint01[:, :, None] * p2).sum((0, 1))]
-    for position, want in zip((1, 2), marginals):
-        got = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=vocab).double()
-        support = want * n >= 5
-        obs = torch.cat([got[support], got[~support].sum()[None]])
-        exp = torch.cat([want[support], want[~support].sum()[None]]) * n
-        assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-4, position
+    assert_follows_marginals(outs, p0, p1, p2)
 
 
 @pytest.mark.parametrize("scheme,min_cosine,min_agreement", [("int8", 0.998, 0.9), ("q4", 0.9, 0.5)])
