@@ -10,11 +10,17 @@ repeats and ratios within each repeat. Every vLLM arm's outputs are compared tok
 with vLLM off (greedy: speculation must not change them). The engine arms (``engine:off``,
 ``engine:<policy>``) run specplan's engine in this process on the same prompts.
 
+With ``--table FILE`` (``specplan export --format vllm PROFILE > FILE``) one more vLLM arm,
+``vllm:table``, runs vLLM's n-gram speculation with the exported batch-size -> k table
+(``num_speculative_tokens_per_batch_size``): the planner's choices for users who cannot load
+the plugin.
+
 Run it from vLLM's environment (vLLM plus specplan, ``pip install --no-deps -e .``)::
 
     python -m specplan.bench.vllm_peer --out reports/vllm-peer --profile VLLM_PROFILE.json
 
-Writes ``vllm-peer.json`` (every run, the machine, the command) and ``vllm-peer.md``.
+Writes ``vllm-peer.json`` (every run, the machine, the command) and ``vllm-peer.md``, rewritten
+after every cell so a long run that stops leaves what it measured.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 from specplan.bench.workloads import WORKLOADS, load_workload
 
 PLUGIN = "specplan.integrations.vllm.SpecplanProposer"
 OFF = "vllm:off"
+NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}  # vLLM's own n-gram drafter
 
 
 @dataclass(frozen=True)
@@ -48,11 +56,17 @@ class VllmArm:
 
 
 def vllm_arms(static_ks: list[int], policies: list[str], profile: str | None, proposer: str = "ngram",
-              max_k: int = 8) -> list[VllmArm]:
+              max_k: int = 8, table: list[list[int]] | None = None) -> list[VllmArm]:
+    """vLLM off, vLLM's n-gram at each static k, the exported ``table`` ([[start, end, k], ...];
+    all k = 0 runs as off) and the plugin under each policy."""
     arms = [VllmArm(OFF)]
     for k in static_ks:
-        arms.append(VllmArm(f"vllm:static:{k}", {"method": "ngram", "num_speculative_tokens": k,
-                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 4}))
+        arms.append(VllmArm(f"vllm:static:{k}", {**NGRAM, "num_speculative_tokens": k}))
+    if table is not None:
+        top_k = max((k for _, _, k in table), default=0)
+        arms.append(VllmArm("vllm:table", {**NGRAM, "num_speculative_tokens": top_k,
+                                           "num_speculative_tokens_per_batch_size": [tuple(r) for r in table]}
+                            if top_k else None))
     from specplan.integrations.vllm import PluginOptions
 
     for policy in policies:
@@ -133,8 +147,10 @@ def engine_arms(model: str | None, policies: list[str], max_batch: int, profile:
 def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int], static_ks: list[int],
              policies: list[str], profile: str | None, engine_policies: list[str] | None,
              engine_profile: str | None, max_tokens: int, repeats: int, min_requests: int, seed: int = 0,
-             enforce_eager: bool = False, progress: bool = True) -> list[dict]:
-    """Every arm on every cell, ``repeats`` times interleaved; one dict per (cell, arm, repeat)."""
+             table: list[list[int]] | None = None, enforce_eager: bool = False, progress: bool = True,
+             on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Every arm on every cell, ``repeats`` times interleaved; one dict per (cell, arm, repeat).
+    ``on_cell(runs so far)`` is called after each repeat of each cell."""
     from rich.progress import Progress
     from transformers import AutoTokenizer
 
@@ -147,7 +163,7 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
     longest = max(len(p) for pool in pools.values() for p in pool)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     arms: list = [LoadedArm(a, model_dir, max(batch_sizes), longest + max_tokens + 64, seed, enforce_eager)
-                  for a in vllm_arms(static_ks, policies, profile)]
+                  for a in vllm_arms(static_ks, policies, profile, table=table)]
     if engine_policies is not None:
         arms += engine_arms(model, engine_policies, max(batch_sizes), engine_profile)
     names = [a.arm.name if isinstance(a, LoadedArm) else a.name for a in arms]
@@ -174,6 +190,8 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
                         outputs = r.pop("outputs")
                         runs.append({"workload": w, "batch_size": b, "arm": name, "repeat": rep,
                                      "requests": len(prompts), "same_as_vllm_off": outputs == reference, **r})
+                    if on_cell is not None:
+                        on_cell(runs)
     for a in arms:
         del a
     gc.collect()
@@ -205,22 +223,23 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def render(runs: list[dict], out_dir: Path, command: str) -> Path:
+def render(runs: list[dict], out_dir: Path, command: str, vllm_version: str, *, complete: bool = True) -> Path:
+    """Write vllm-peer.json and vllm-peer.md; ``complete=False`` marks a run still going (or cut)."""
     from specplan.profiler.machine import describe, machine_info
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(runs)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    import vllm
-
-    meta = {"command": command, "date": now, "machine": machine_info(), "vllm": vllm.__version__,
+    meta = {"command": command, "date": now, "machine": machine_info(), "vllm": vllm_version, "complete": complete,
             "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}}
     (out_dir / "vllm-peer.json").write_text(json.dumps({**meta, "summary": rows, "runs": runs}, indent=1))
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     lines = [f"# vLLM as a peer: speculation off, vLLM's static n-gram k, specplan's plugin, specplan's engine", "",
-             f"Made by `{command}` on {now} with vLLM {vllm.__version__} "
+             f"Made by `{command}` on {now} with vLLM {vllm_version} "
              f"({', '.join(f'{k}={v}' for k, v in meta['vllm_env'].items()) or 'vLLM-CPU defaults'}). "
              f"{describe(meta['machine'])}", "",
+             *([] if complete else ["**Partial: the run had not finished when this was written; cells below are "
+                                    "the ones measured so far.**", ""]),
              "Tokens/s per arm (median of repeats); in brackets the paired ratio to vLLM off. "
              "`same` = every output token for token equal to vLLM off (greedy).", "",
              "| workload | B | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
@@ -245,6 +264,12 @@ def render(runs: list[dict], out_dir: Path, command: str) -> Path:
             ratios = [r["vs_vllm_best_static"] for r in plugin_rows if r["arm"] == arm]
             geo = math.exp(statistics.mean(math.log(x) for x in ratios))
             lines.append(f"- {arm}: geo-mean {geo:.3f}x, worst cell {min(ratios):.3f}x ({len(ratios)} cells)")
+    off_rows = [r for r in rows if r["arm"] == "vllm:table" or r["arm"].startswith("vllm:plugin:")]
+    if off_rows:
+        lines += ["", "Worst cell against vLLM off (paired):", ""]
+        for arm in dict.fromkeys(r["arm"] for r in off_rows):
+            worst = min((r for r in off_rows if r["arm"] == arm), key=lambda r: r["vs_vllm_off"])
+            lines.append(f"- {arm}: {worst['vs_vllm_off']:.3f}x ({worst['workload']} B={worst['batch_size']})")
     engine_rows = [r for r in rows if r["arm"].startswith("engine:")]
     if engine_rows:
         lines += ["", "specplan's engine vs vLLM off, same prompts and tokens (paired):", ""]
@@ -263,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", default="1,4,16,32")
     ap.add_argument("--static-ks", default="2,4", help="vLLM's own n-gram speculation at these k")
     ap.add_argument("--policies", default="goodput", help="the plugin's policies (goodput needs --profile)")
+    ap.add_argument("--table", type=Path, default=None,
+                    help="a `specplan export --format vllm` JSON: adds the arm vllm:table (vLLM's n-gram with that table)")
     ap.add_argument("--profile", default=None, help="a vLLM profile of the model (specplan profile --engine vllm)")
     ap.add_argument("--engine-policies", default="goodput",
                     help="specplan's engine arms beside engine:off ('none': no engine arms at all)")
@@ -284,12 +311,17 @@ def main(argv: list[str] | None = None) -> None:
         return [int(x) for x in text.split(",") if x]
 
     engine_policies = None if args.engine_policies == "none" else [p for p in args.engine_policies.split(",") if p]
+    table = json.loads(args.table.read_text())["num_speculative_tokens_per_batch_size"] if args.table else None
+    import vllm
+
+    command = "python -m specplan.bench.vllm_peer " + shlex.join(argv or sys.argv[1:])
     runs = run_peer(model=args.model, workloads=args.workloads.split(","), batch_sizes=ints(args.batch_sizes),
                     static_ks=ints(args.static_ks), policies=[p for p in args.policies.split(",") if p],
                     profile=args.profile, engine_policies=engine_policies, engine_profile=args.engine_profile,
                     max_tokens=args.max_tokens, repeats=args.repeats, min_requests=args.min_requests,
-                    enforce_eager=args.enforce_eager, progress=sys.stderr.isatty())
-    path = render(runs, args.out, "python -m specplan.bench.vllm_peer " + shlex.join(argv or sys.argv[1:]))
+                    table=table, enforce_eager=args.enforce_eager, progress=sys.stderr.isatty(),
+                    on_cell=lambda so_far: render(so_far, args.out, command, vllm.__version__, complete=False))
+    path = render(runs, args.out, command, vllm.__version__)
     print(f"wrote {path} and {path.with_suffix('.json')}")
 
 

@@ -1,0 +1,49 @@
+"""specplan/bench/vllm_peer.py without vLLM: the arms it builds, the paired summary by hand, and
+the report written after every cell (a cut run keeps what it measured)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specplan.bench.vllm_peer import OFF, render, summarize, vllm_arms
+
+
+def runs_of(cell: dict[str, list[float]], workload="w", batch=4, same=True) -> list[dict]:
+    return [{"workload": workload, "batch_size": batch, "arm": arm, "repeat": rep, "requests": 4,
+             "same_as_vllm_off": same, "seconds": 1.0, "output_tokens": int(tps), "tokens_per_s": tps}
+            for arm, per_rep in cell.items() for rep, tps in enumerate(per_rep)]
+
+
+def test_arms_carry_the_exported_table_and_an_all_zero_table_runs_as_off():
+    arms = {a.name: a for a in vllm_arms([2], [], None, table=[[1, 1, 3], [2, 4, 2], [5, 32, 0]])}
+    assert list(arms) == [OFF, "vllm:static:2", "vllm:table"]
+    spec = arms["vllm:table"].speculative_config
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
+    assert spec["num_speculative_tokens_per_batch_size"] == [(1, 1, 3), (2, 4, 2), (5, 32, 0)]
+    zero = {a.name: a for a in vllm_arms([], [], None, table=[[1, 32, 0]])}
+    assert zero["vllm:table"].speculative_config is None
+    assert "vllm:table" not in {a.name for a in vllm_arms([2], [], None)}
+
+
+def test_summary_pairs_each_repeat_with_the_cells_best_static():
+    rows = summarize(runs_of({OFF: [10, 20], "vllm:static:2": [12, 18], "vllm:static:4": [11, 22],
+                              "vllm:plugin:goodput": [13, 21]}))
+    by_arm = {r["arm"]: r for r in rows}
+    assert by_arm[OFF]["best_static"] == "vllm:static:4"  # medians 16.5 (k=4) > 15 (k=2)
+    plugin = by_arm["vllm:plugin:goodput"]
+    assert plugin["tokens_per_s"] == pytest.approx(17.0)
+    assert plugin["vs_vllm_off"] == pytest.approx((13 / 10 + 21 / 20) / 2)
+    assert plugin["vs_vllm_best_static"] == pytest.approx((13 / 11 + 21 / 22) / 2)
+
+
+def test_report_marks_a_partial_run_and_names_the_worst_cell_against_off(tmp_path):
+    runs = runs_of({OFF: [10], "vllm:table": [9.0]}, batch=1) + runs_of({OFF: [10], "vllm:table": [10.5]}, batch=32)
+    path = render(runs, tmp_path, "python -m specplan.bench.vllm_peer", "0.32.0", complete=False)
+    text = path.read_text()
+    assert "Partial" in text and "vllm:table: 0.900x (w B=1)" in text
+    doc = json.loads((tmp_path / "vllm-peer.json").read_text())
+    assert doc["complete"] is False and len(doc["runs"]) == 4
+    render(runs, tmp_path, "python -m specplan.bench.vllm_peer", "0.32.0")
+    assert "Partial" not in path.read_text()
