@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specplan.bench.vllm_peer import OFF, render, summarize, vllm_arms
+from specplan.bench.vllm_peer import NULL_CONTROL, OFF, NullControl, render, summarize, vllm_arms
 
 
 def runs_of(cell: dict[str, list[float]], workload="w", batch=4, same=True) -> list[dict]:
@@ -42,8 +42,20 @@ def test_report_marks_a_partial_run_and_names_the_worst_cell_against_off(tmp_pat
     runs = runs_of({OFF: [10], "vllm:table": [9.0]}, batch=1) + runs_of({OFF: [10], "vllm:table": [10.5]}, batch=32)
     path = render(runs, tmp_path, "python -m specplan.bench.vllm_peer", "0.32.0", complete=False)
     text = path.read_text()
-    assert "Partial" in text and "vllm:table: 0.900x (w B=1)" in text
+    assert "Partial" in text and "vllm:table: 0.900x (w B=1) to 1.050x (w B=32)" in text
     doc = json.loads((tmp_path / "vllm-peer.json").read_text())
     assert doc["complete"] is False and len(doc["runs"]) == 4
     render(runs, tmp_path, "python -m specplan.bench.vllm_peer", "0.32.0")
     assert "Partial" not in path.read_text()
+
+
+def test_null_control_reruns_vllm_off_and_is_reported_against_it(tmp_path):
+    class Off:
+        def run(self, prompts, batch, max_tokens):
+            return {"tokens_per_s": float(len(prompts) * batch * max_tokens)}
+
+    control = NullControl(Off())
+    assert control.name == NULL_CONTROL and control.run([[1], [2]], 2, 3) == {"tokens_per_s": 12.0}
+    runs = runs_of({OFF: [10, 10], NULL_CONTROL: [11, 9]})
+    text = render(runs, tmp_path, "cmd", "0.32.0").read_text()
+    assert f"{NULL_CONTROL}: 1.000x (w B=4)" in text  # the median of the paired 1.1 and 0.9
