@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specplan.bench.vllm_peer import NULL_CONTROL, OFF, NullControl, render, summarize, vllm_arms
+from specplan.bench.vllm_peer import NULL_CONTROL, OFF, NullControl, main, render, run_meta, summarize, vllm_arms
 
 
 def runs_of(cell: dict[str, list[float]], workload="w", batch=4, same=True) -> list[dict]:
@@ -40,13 +40,19 @@ def test_summary_pairs_each_repeat_with_the_cells_best_static():
 
 def test_report_marks_a_partial_run_and_names_the_worst_cell_against_off(tmp_path):
     runs = runs_of({OFF: [10], "vllm:table": [9.0]}, batch=1) + runs_of({OFF: [10], "vllm:table": [10.5]}, batch=32)
-    path = render(runs, tmp_path, "python -m specplan.bench.vllm_peer", "0.32.0", complete=False)
+    path = render(runs, tmp_path, run_meta("python -m specplan.bench.vllm_peer", "0.32.0", complete=False))
     text = path.read_text()
     assert "Partial" in text and "vllm:table: 0.900x (w B=1) to 1.050x (w B=32)" in text
     doc = json.loads((tmp_path / "vllm-peer.json").read_text())
     assert doc["complete"] is False and len(doc["runs"]) == 4
-    render(runs, tmp_path, "python -m specplan.bench.vllm_peer", "0.32.0")
-    assert "Partial" not in path.read_text()
+    render(runs, tmp_path, run_meta("python -m specplan.bench.vllm_peer", "0.32.0"))
+    assert "Partial" not in path.read_text() and (tmp_path / "vllm-peer.png").stat().st_size > 0
+    # --rerender: the report again from the saved JSON, keeping the run's own date and command
+    doc = json.loads((tmp_path / "vllm-peer.json").read_text())
+    doc["date"] = "2026-01-02 03:04 UTC"
+    (tmp_path / "saved.json").write_text(json.dumps(doc))
+    main(["--rerender", str(tmp_path / "saved.json"), "--out", str(tmp_path / "again")])
+    assert "on 2026-01-02 03:04 UTC" in (tmp_path / "again" / "vllm-peer.md").read_text()
 
 
 def test_null_control_reruns_vllm_off_and_is_reported_against_it(tmp_path):
@@ -57,5 +63,5 @@ def test_null_control_reruns_vllm_off_and_is_reported_against_it(tmp_path):
     control = NullControl(Off())
     assert control.name == NULL_CONTROL and control.run([[1], [2]], 2, 3) == {"tokens_per_s": 12.0}
     runs = runs_of({OFF: [10, 10], NULL_CONTROL: [11, 9]})
-    text = render(runs, tmp_path, "cmd", "0.32.0").read_text()
+    text = render(runs, tmp_path, run_meta("cmd", "0.32.0")).read_text()
     assert f"{NULL_CONTROL}: 1.000x (w B=4)" in text  # the median of the paired 1.1 and 0.9

@@ -5,7 +5,9 @@ Per (workload, B) cell every arm generates the same prompts (the evaluation's wo
 specplan/bench/workloads.py), greedy, ``max_tokens`` each with EOS ignored, in waves of B at
 once (B = concurrency; at B below ``min_requests`` several waves, so a cell is not one prompt).
 All vLLM arms stay loaded (each its own engine-core process) and run interleaved, in an order
-rotated each repeat, so the machine's drift hits them alike; the report gives medians of the
+rotated each repeat, so the machine's drift hits them alike. vLLM's prefix cache is off: every
+repeat runs the same prompts, and from the second on a cached prefill would flatter vLLM against
+specplan's engine (which has none); the report gives medians of the
 repeats and ratios within each repeat. Every vLLM arm's outputs are compared token for token
 with vLLM off (greedy: speculation must not change them). The engine arms (``engine:off``,
 ``engine:<policy>``) run specplan's engine in this process on the same prompts.
@@ -97,7 +99,7 @@ class LoadedArm:
         try:
             self.llm = LLM(model=str(model_dir), dtype="float32", max_model_len=max_model_len, max_num_seqs=max_batch,
                            seed=seed, speculative_config=arm.speculative_config, skip_tokenizer_init=True,
-                           enforce_eager=enforce_eager)
+                           enforce_eager=enforce_eager, enable_prefix_caching=False)
         finally:
             for k in arm.env:
                 os.environ.pop(k, None)
@@ -244,16 +246,25 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def render(runs: list[dict], out_dir: Path, command: str, vllm_version: str, *, complete: bool = True) -> Path:
-    """Write vllm-peer.json and vllm-peer.md; ``complete=False`` marks a run still going (or cut)."""
-    from specplan.profiler.machine import describe, machine_info
+def run_meta(command: str, vllm_version: str, *, complete: bool = True) -> dict:
+    """What a report says about its run: the command, date, machine, vLLM version and settings;
+    ``complete=False`` marks a run still going (or cut)."""
+    from specplan.profiler.machine import machine_info
+
+    return {"command": command, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine_info(), "vllm": vllm_version, "complete": complete,
+            "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}}
+
+
+def render(runs: list[dict], out_dir: Path, meta: dict) -> Path:
+    """Write vllm-peer.json, vllm-peer.md and vllm-peer.png for the runs so far (``run_meta``)."""
+    from specplan.profiler.machine import describe
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(runs)
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    meta = {"command": command, "date": now, "machine": machine_info(), "vllm": vllm_version, "complete": complete,
-            "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}}
+    command, now, vllm_version, complete = meta["command"], meta["date"], meta["vllm"], meta.get("complete", True)
     (out_dir / "vllm-peer.json").write_text(json.dumps({**meta, "summary": rows, "runs": runs}, indent=1))
+    plot = _plot(rows, out_dir / "vllm-peer.png")
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     lines = [f"# vLLM as a peer: speculation off, vLLM's static n-gram k, specplan's plugin, specplan's engine", "",
              f"Made by `{command}` on {now} with vLLM {vllm_version} "
@@ -263,6 +274,7 @@ def render(runs: list[dict], out_dir: Path, command: str, vllm_version: str, *, 
                                     "the ones measured so far.**", ""]),
              "Tokens/s per arm (median of repeats); in brackets the paired ratio to vLLM off. "
              "`same` = every output token for token equal to vLLM off (greedy).", "",
+             *([f"![tokens/s against vLLM off per cell]({plot.name})", ""] if plot else []),
              "| workload | B | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
     by_cell: dict[tuple, dict[str, dict]] = {}
     for r in rows:
@@ -304,6 +316,37 @@ def render(runs: list[dict], out_dir: Path, command: str, vllm_version: str, *, 
     return path
 
 
+def _plot(rows: list[dict], path: Path) -> Path | None:
+    """One panel per workload: each arm's paired tokens/s over vLLM off against B (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    arms = [a for a in dict.fromkeys(r["arm"] for r in rows) if a != OFF]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(3.6 * len(workloads), 3.4), sharey=True, squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        for arm in arms:
+            mine = sorted((r for r in rows if r["workload"] == w and r["arm"] == arm and r["vs_vllm_off"]),
+                          key=lambda r: r["batch_size"])
+            if mine:
+                ax.plot([r["batch_size"] for r in mine], [r["vs_vllm_off"] for r in mine], marker="o", label=arm,
+                        linestyle="--" if arm.startswith(("engine:", "control:")) else "-")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(w)
+        ax.set_xlabel("B (concurrent requests)")
+    axes[0][0].set_ylabel("tokens/s / vLLM off (paired)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="vLLM off / static k / specplan's plugin, and specplan's engine, "
                                              "on the evaluation's workloads x B")
@@ -322,12 +365,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("reports/vllm-peer"))
+    ap.add_argument("--rerender", type=Path, default=None, metavar="JSON",
+                    help="only rewrite the report (table, plot) from a saved vllm-peer.json, into --out")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="vLLM without torch.compile (starts in seconds, not minutes; not how vLLM serves by default)")
     ap.add_argument("--vllm-reserved-cpus", type=int, default=None,
                     help="VLLM_CPU_NUM_OF_RESERVED_CPU: vLLM-CPU keeps one core per worker for its scheduler "
                          "by default (on 2 cores its model runs on 1); 0 gives the model every core")
     args = ap.parse_args(argv)
+    if args.rerender is not None:
+        saved = json.loads(args.rerender.read_text())
+        meta = {k: v for k, v in saved.items() if k not in ("summary", "runs")}
+        print(f"wrote {render(saved['runs'], args.out, meta)}")
+        return
     if args.vllm_reserved_cpus is not None:
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.vllm_reserved_cpus)
 
@@ -344,8 +394,8 @@ def main(argv: list[str] | None = None) -> None:
                     profile=args.profile, engine_policies=engine_policies, engine_profile=args.engine_profile,
                     max_tokens=args.max_tokens, repeats=args.repeats, min_requests=args.min_requests,
                     table=table, enforce_eager=args.enforce_eager, progress=sys.stderr.isatty(),
-                    on_cell=lambda so_far: render(so_far, args.out, command, vllm.__version__, complete=False))
-    path = render(runs, args.out, command, vllm.__version__)
+                    on_cell=lambda so_far: render(so_far, args.out, run_meta(command, vllm.__version__, complete=False)))
+    path = render(runs, args.out, run_meta(command, vllm.__version__))
     print(f"wrote {path} and {path.with_suffix('.json')}")
 
 
