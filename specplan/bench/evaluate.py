@@ -329,10 +329,7 @@ def _span(interval: list[float]) -> str:
 
 
 def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from specplan.bench.plots import ratio_panels
 
     out_dir.mkdir(parents=True, exist_ok=True)
     df.to_parquet(out_dir / "evaluation.parquet")
@@ -420,26 +417,17 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str) -> Path:
                              + (f" {control[cell]:.3f} |" if null else ""))
         lossless = bool(d["lossless"].all())
         lines += ["", f"Every decider produced identical tokens: {'yes' if lossless else 'NO'}.", ""]
-        fig, axes = plt.subplots(1, len(d.workload.unique()), figsize=(4 * len(d.workload.unique()), 3.6),
-                                 sharey=False, squeeze=False)
-        for ax, (w, g) in zip(axes[0], d.groupby("workload")):
+        curves = {}
+        for w, g in d.groupby("workload"):
             off = g[g.decider == "static:0"].set_index("batch_size")["goodput"]
             for dec, gg in g.groupby("decider"):
                 gg = gg.set_index("batch_size").sort_index()
-                style = "o-" if not dec.startswith("static:") else ":"
-                lw = 2.5 if dec == "goodput" else 1
-                ax.plot(gg.index, gg["goodput"] / off.reindex(gg.index), style, lw=lw, label=dec, alpha=0.85)
-            ax.axhline(1.0, color="k", lw=0.8)
-            ax.set_xscale("log", base=2)
-            ax.set_title(w)
-            ax.set_xlabel("B (concurrent requests)")
-        axes[0][0].set_ylabel("goodput / SD off")
-        axes[0][-1].legend(fontsize=6)
-        fig.suptitle(f"proposer {proposer}: goodput relative to SD off")
-        fig.tight_layout()
-        png = out_dir / f"evaluation-{proposer}.png"
-        fig.savefig(png, dpi=110)
-        plt.close(fig)
+                curves.setdefault(w, {})[dec] = (list(gg.index), list(gg["goodput"] / off.reindex(gg.index)))
+        png = ratio_panels(curves, out_dir / f"evaluation-{proposer}.png", ylabel="goodput / SD off",
+                           title=f"proposer {proposer}: goodput relative to SD off", legend_size=6,
+                           style=lambda dec: {"linestyle": ":" if dec.startswith("static:") else "-",
+                                              "marker": None if dec.startswith("static:") else "o",
+                                              "linewidth": 2.5 if dec == "goodput" else 1, "alpha": 0.85})
         lines += [f"![{proposer}]({png.name})", ""]
     path = out_dir / "evaluation.md"
     path.write_text("\n".join(lines) + "\n")

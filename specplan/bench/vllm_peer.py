@@ -319,32 +319,20 @@ def render(runs: list[dict], out_dir: Path, meta: dict) -> Path:
 def _plot(rows: list[dict], path: Path) -> Path | None:
     """One panel per workload: each arm's paired tokens/s over vLLM off against B (None without matplotlib)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         return None
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    arms = [a for a in dict.fromkeys(r["arm"] for r in rows) if a != OFF]
-    fig, axes = plt.subplots(1, len(workloads), figsize=(3.6 * len(workloads), 3.4), sharey=True, squeeze=False)
-    for ax, w in zip(axes[0], workloads):
-        for arm in arms:
-            mine = sorted((r for r in rows if r["workload"] == w and r["arm"] == arm and r["vs_vllm_off"]),
-                          key=lambda r: r["batch_size"])
-            if mine:
-                ax.plot([r["batch_size"] for r in mine], [r["vs_vllm_off"] for r in mine], marker="o", label=arm,
-                        linestyle="--" if arm.startswith(("engine:", "control:")) else "-")
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_title(w)
-        ax.set_xlabel("B (concurrent requests)")
-    axes[0][0].set_ylabel("tokens/s / vLLM off (paired)")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    from specplan.bench.plots import ratio_panels
+
+    curves: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    for r in sorted(rows, key=lambda r: r["batch_size"]):
+        if r["arm"] != OFF and r["vs_vllm_off"]:
+            b, ratio = curves.setdefault(r["workload"], {}).setdefault(r["arm"], ([], []))
+            b.append(r["batch_size"])
+            ratio.append(r["vs_vllm_off"])
+    return ratio_panels(curves, path, ylabel="tokens/s / vLLM off (paired)",
+                        style=lambda arm: {"marker": "o",
+                                           "linestyle": "--" if arm.startswith(("engine:", "control:")) else "-"})
 
 
 def main(argv: list[str] | None = None) -> None:
