@@ -484,6 +484,7 @@ def evaluate_cmd(
     workloads: Annotated[str, typer.Option(help="Comma-separated workloads.")] = "humaneval,gsm8k,mtbench,xsum",
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated concurrency levels B.")] = "1,4,16,32",
     policies: Annotated[str, typer.Option(help="Planner policies compared with every static k.")] = "batch_table,heuristic,roofline,goodput",
+    static_ks: Annotated[str, typer.Option(help="Comma-separated static k the policies are compared with (0 = SD off, always run).")] = "0,1,2,3,4,6,8",
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
     repeats: Annotated[int, typer.Option(help="Runs per cell, deciders interleaved; the report shows medians.")] = 3,
     min_requests: Annotated[int, typer.Option(help="Requests per cell at least (run at concurrency B).")] = 4,
@@ -503,6 +504,7 @@ def evaluate_cmd(
     workload_names = check.choices(workloads, _workload_names()[:-1], "--workloads")
     sizes = check.int_list(batch_sizes, "--batch-sizes", 1)
     policy_names = tuple(check.policy(p, "--policies") for p in check.items(policies, "--policies"))
+    ks = tuple(sorted({0, *check.int_list(static_ks, "--static-ks", 0)}))  # SD off is every ratio's base
     for value, option in ((max_tokens, "--max-tokens"), (repeats, "--repeats"), (min_requests, "--min-requests")):
         check.at_least(value, 1, option)
     check.model_path(model)
@@ -519,13 +521,18 @@ def evaluate_cmd(
     if store is not None and store.document() is not None:
         typer.secho(f"[every planner starts from the beliefs in {store.path}; --no-beliefs for cold ones]",
                     err=True, fg=typer.colors.BRIGHT_BLACK)
-    frames = [evaluate(loaded, prof, proposer=p, workloads=workload_names, batch_sizes=sizes,
-                       policies=policy_names, max_tokens=max_tokens, repeats=repeats,
-                       min_requests=min_requests, null_control=null_control, clairvoyant=clairvoyant,
-                       beliefs=store)
-              for p in proposer_names]
-    path = render_evaluation(pd.concat(frames, ignore_index=True), out,
-                             "specplan " + shlex.join(sys.argv[1:]))
+    command = "specplan " + shlex.join(sys.argv[1:])
+    frames: list[pd.DataFrame] = []
+
+    def write_partial(rows: pd.DataFrame) -> None:  # a stopped run keeps the cells it finished
+        render_evaluation(pd.concat([*frames, rows], ignore_index=True), out, command, complete=False)
+
+    for p in proposer_names:
+        frames.append(evaluate(loaded, prof, proposer=p, workloads=workload_names, batch_sizes=sizes,
+                               static_ks=ks, policies=policy_names, max_tokens=max_tokens, repeats=repeats,
+                               min_requests=min_requests, null_control=null_control, clairvoyant=clairvoyant,
+                               beliefs=store, on_cell=write_partial))
+    path = render_evaluation(pd.concat(frames, ignore_index=True), out, command)
     typer.echo(f"wrote {path}")
 
 

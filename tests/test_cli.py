@@ -105,6 +105,7 @@ ROWS = [
     ("evaluate --proposers ngram,foo", "unknown --proposers 'foo'"),
     ("evaluate --workloads humaneval,foo", "unknown --workloads 'foo'"),
     ("evaluate --policies goodput,bogus", "--policies: unknown policy 'bogus'"),
+    ("evaluate --static-ks 1,-2", "--static-ks values must be at least 0, got -2"),
     ("evaluate --repeats 0", "--repeats must be at least 1"),
     ("evaluate --min-requests 0", "--min-requests must be at least 1"),
     ("evaluate --profile {d}/foreign.json", "is corrupted or truncated"),

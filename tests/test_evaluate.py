@@ -139,6 +139,19 @@ def test_evaluate_reports_medians_of_interleaved_repeats(ev_with_tiny_workloads,
     assert row.goodput == sorted(row.goodput_all)[1]  # the median of three
 
 
+def test_evaluate_hands_over_every_finished_cell_and_the_partial_report_says_so(ev_with_tiny_workloads, tmp_path):
+    ev, loaded = ev_with_tiny_workloads
+    seen: list[pd.DataFrame] = []
+    df = ev.evaluate(loaded, profile=None, workloads=("w",), batch_sizes=(1, 2), static_ks=(0, 2), policies=(),
+                     max_tokens=6, repeats=1, null_control=False, progress=False, on_cell=seen.append)
+    assert [len(s) for s in seen] == [2, 4]  # two deciders per cell, rows accumulate cell by cell
+    assert list(seen[0].batch_size) == [1, 1] and seen[-1].equals(df)
+    partial = render_evaluation(seen[0], tmp_path, "specplan evaluate", complete=False).read_text()
+    assert "**Partial" in partial and "| w | 1 |" in partial and "| w | 2 |" not in partial
+    done = render_evaluation(df, tmp_path, "specplan evaluate").read_text()
+    assert "Partial" not in done and "| w | 2 |" in done
+
+
 def test_paired_ratios_worked_example():
     runs = {"static:0": [10, 12, 11], "static:2": [13, 12, 14], "goodput": [13, 13, 12]}
     vs_off, vs_best = paired_ratios(runs, "goodput")

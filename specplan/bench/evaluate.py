@@ -30,6 +30,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -144,7 +145,7 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
              batch_sizes=BATCH_SIZES, static_ks=STATIC_KS, policies=POLICIES, max_tokens: int = 64,
              draft_layers: int = 8, seed: int = 0, repeats: int = 1, min_requests: int = 4,
              null_control: bool = True, clairvoyant: bool = False, progress: bool = True,
-             beliefs=None) -> pd.DataFrame:
+             beliefs=None, on_cell: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
     """One row per (workload, B, decider): the median over ``repeats`` of goodput and friends. The
     deciders of a cell run interleaved within each repeat, in an order rotated by one each repeat,
     so machine drift hits them alike. A cell runs max(B, min_requests) requests at concurrency B:
@@ -156,7 +157,10 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
     warms the cell up).
 
     ``beliefs``: a planner/beliefs.py ``BeliefStore`` every policy's planner starts from (read,
-    never written); None: the built-in priors (a cold planner per run)."""
+    never written); None: the built-in priors (a cold planner per run).
+
+    ``on_cell``: called with every row so far after each cell ends, so an hour-long grid that is
+    stopped still leaves the cells it finished (the CLI rewrites its report from it)."""
     engine = _engine(loaded, proposer, max(batch_sizes), draft_layers)
     clairvoyant = clairvoyant and proposer in SELF_CONTAINED_PROPOSERS
     deciders = [(f"static:{k}", lambda k=k: FixedDecider(k)) for k in static_ks]
@@ -197,6 +201,8 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
                                  "requests": len(prompts),
                                  "lossless": all(r["lossless"] for r in rs), "repeats": len(rs),
                                  "goodput_all": [r["goodput"] for r in rs], **row})
+                if on_cell is not None:
+                    on_cell(pd.DataFrame(rows))
     return pd.DataFrame(rows)
 
 
@@ -328,7 +334,9 @@ def _span(interval: list[float]) -> str:
     return f"{interval[0]:.3f}-{interval[1]:.3f}"
 
 
-def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str) -> Path:
+def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str, complete: bool = True) -> Path:
+    """The Markdown report, its plot, the parquet and the summary JSON. ``complete=False``: written
+    while the grid still runs; the report says so at the top."""
     from specplan.bench.plots import ratio_panels
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -336,6 +344,8 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str) -> Path:
     summary = summarize(df)
     (out_dir / "evaluation-summary.json").write_text(json.dumps(summary, indent=1))
     lines = ["# Offline evaluation: adaptive speculation vs every static k", "",
+             *([] if complete else ["**Partial: the run had not finished when this was written; it holds only "
+                                    "the cells finished by then.**", ""]),
              f"Made by `{command}`. Each cell runs max(B, {int(df['requests'].min()) if 'requests' in df else 'B'}) "
              "requests of one workload closed-loop at concurrency B, greedy, the same requests for every "
              "decider; goodput = output tokens / wall time (prefill included). `static:0` is SD off; the oracle "
