@@ -65,3 +65,24 @@ def test_null_control_reruns_vllm_off_and_is_reported_against_it(tmp_path):
     runs = runs_of({OFF: [10, 10], NULL_CONTROL: [11, 9]})
     text = render(runs, tmp_path, run_meta("cmd", "0.32.0")).read_text()
     assert f"{NULL_CONTROL}: 1.000x (w B=4)" in text  # the median of the paired 1.1 and 0.9
+
+
+def test_engine_arms_load_the_weights_asked_for_and_say_so(monkeypatch):
+    import torch
+
+    import specplan.engine as engine_pkg
+    from conftest import loaded_from_hf, tiny_hf_model
+    from specplan.bench.vllm_peer import engine_arms
+
+    asked = []
+
+    def fake_load(model, quantize="none"):
+        asked.append(quantize)
+        return loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
+
+    monkeypatch.setattr(engine_pkg, "load_model", fake_load)
+    assert [a.name for a in engine_arms(None, [], 2, None)] == ["engine:off"]
+    quantized = engine_arms(None, [], 2, None, quantize="q4")
+    assert [a.name for a in quantized] == ["engine:q4:off"] and asked == ["none", "q4"]
+    r = quantized[0].run([[1, 2, 3, 1, 2, 3]], 1, 4)
+    assert r["output_tokens"] == 4 and len(r["outputs"][0]) == 4

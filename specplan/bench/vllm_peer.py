@@ -148,20 +148,24 @@ class EngineArm:
                 "outputs": r["outputs"]}
 
 
-def engine_arms(model: str | None, policies: list[str], max_batch: int, profile: str | None) -> list[EngineArm]:
+def engine_arms(model: str | None, policies: list[str], max_batch: int, profile: str | None,
+                quantize: str = "none") -> list[EngineArm]:
+    """engine:off and engine:<policy> (engine:<quantize>:... with quantized weights, e.g.
+    engine:gguf:off for the default model's own Q4_1 blocks), sharing one loaded engine."""
     from specplan.adaptive import load_or_make_profile
     from specplan.bench.evaluate import _engine
     from specplan.engine import FixedDecider, load_model
     from specplan.planner.from_profile import planner_from_profile
     from specplan.policies import make_policy
 
-    loaded = load_model(model)
+    loaded = load_model(model, quantize=quantize)
     engine = _engine(loaded, "ngram", max_batch, 8)
-    arms = [EngineArm("engine:off", loaded, engine, lambda: FixedDecider(0))]
+    prefix = "engine:" if quantize == "none" else f"engine:{quantize}:"
+    arms = [EngineArm(f"{prefix}off", loaded, engine, lambda: FixedDecider(0))]
     if policies:
         prof = load_or_make_profile(loaded, profile)
         for p in policies:
-            arms.append(EngineArm(f"engine:{p}", loaded, engine,
+            arms.append(EngineArm(f"{prefix}{p}", loaded, engine,
                                   lambda p=p: planner_from_profile(prof, make_policy(p), proposer="ngram", max_k=8)))
     return arms
 
@@ -170,7 +174,7 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
              policies: list[str], profile: str | None, engine_policies: list[str] | None,
              engine_profile: str | None, max_tokens: int, repeats: int, min_requests: int, seed: int = 0,
              table: list[list[int]] | None = None, enforce_eager: bool = False, progress: bool = True,
-             on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
+             engine_quantize: str = "none", on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Every arm on every cell, ``repeats`` times interleaved; one dict per (cell, arm, repeat).
     ``on_cell(runs so far)`` is called after each repeat of each cell."""
     from rich.progress import Progress
@@ -188,7 +192,7 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
                   for a in vllm_arms(static_ks, policies, profile, table=table)]
     arms.append(NullControl(arms[0]))
     if engine_policies is not None:
-        arms += engine_arms(model, engine_policies, max(batch_sizes), engine_profile)
+        arms += engine_arms(model, engine_policies, max(batch_sizes), engine_profile, engine_quantize)
     names = [a.arm.name if isinstance(a, LoadedArm) else a.name for a in arms]
     first = next(iter(pools.values()))[:1]
     for a in arms:  # unrecorded: lazy compilation and first-touch costs land here, not in a cell
@@ -349,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine-policies", default="goodput",
                     help="specplan's engine arms beside engine:off ('none': no engine arms at all)")
     ap.add_argument("--engine-profile", default=None, help="the engine's profile (default: cached or a fresh one)")
+    ap.add_argument("--engine-quantize", default="none",
+                    help="the engine arms' weights (as `specplan generate --quantize`: none, gguf, int8, q4)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--min-requests", type=int, default=4)
@@ -382,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
                     profile=args.profile, engine_policies=engine_policies, engine_profile=args.engine_profile,
                     max_tokens=args.max_tokens, repeats=args.repeats, min_requests=args.min_requests,
                     table=table, enforce_eager=args.enforce_eager, progress=sys.stderr.isatty(),
+                    engine_quantize=args.engine_quantize,
                     on_cell=lambda so_far: render(so_far, args.out, run_meta(command, vllm.__version__, complete=False)))
     path = render(runs, args.out, run_meta(command, vllm.__version__))
     print(f"wrote {path} and {path.with_suffix('.json')}")
