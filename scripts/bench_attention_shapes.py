@@ -1,8 +1,8 @@
 """Attention time of one decode or verify step over 30 layers (SmolLM2-135M's 9 query / 3 KV heads
 of 64, block size 16, the engine's head-major cache, each request's blocks in order) for a few
 (batch size B, context, tokens per request T) shapes: the shapes where a step has too few
-(request, KV head) items for the threads and the kernel splits keys into ranges (merge_split in
-engine/model/csrc/paged_attention.cpp). A development benchmark: `python scripts/bench_attention_shapes.py`
+(request, KV head) items for the threads (the kernel once split those items' keys into ranges,
+which broke batch invariance; see engine/model/csrc/paged_attention.cpp). A development benchmark: `python scripts/bench_attention_shapes.py`
 from the repo root, on a quiet machine; run it at two commits to compare kernels."""
 import sys
 

@@ -232,10 +232,9 @@ def test_threads_agree_with_single_thread(kernel):
                          ids=["decode256", "decode2000", "verify9", "two-decodes", "first-token", "short"])
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.float32), (32, torch.float32), (64, torch.float64)],
                          ids=["fast-path", "generic-float", "double"])
-def test_few_requests_split_keys(kernel, specs, head_dim, dtype):
+def test_few_requests_on_two_threads(kernel, specs, head_dim, dtype):
     """One or two requests on two threads: too few (request, KV head) items to share, so the kernel
-    splits each item's keys into ranges and merges the softmax pieces (merge_split). A range whose
-    rows see no key (the causal rows of a verify end at different keys) must add nothing."""
+    gives each thread fewer query rows per item."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -244,8 +243,42 @@ def test_few_requests_split_keys(kernel, specs, head_dim, dtype):
         torch.set_num_threads(before)
 
 
-def test_split_keys_with_a_tree_row(kernel):
-    """A single request verifying a draft tree on two threads: its keys are split too."""
+def _alone(batch: TokenBatch, row: int) -> TokenBatch:
+    """Row ``row`` of a one-request batch as a decode of its own: the same cache and block table,
+    the keys up to its position."""
+    seen = int(batch.positions[row]) + 1
+    return TokenBatch(input_ids=batch.input_ids[row:row + 1], positions=batch.positions[row:row + 1],
+                      query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                      seq_lens=torch.tensor([seen], dtype=torch.int32), slot_mapping=batch.slot_mapping[row:row + 1],
+                      block_tables=batch.block_tables, logits_indices=torch.arange(1), query_lens_host=[1],
+                      seq_lens_host=[seen], tree_masks=None)
+
+
+@pytest.mark.parametrize("head_dim", [64, 32], ids=["fast-path", "generic-float"])
+def test_a_row_is_the_same_bits_alone_or_in_a_verify_step(kernel, head_dim):
+    """Batch invariance, which greedy speculation needs exactly: the row a verify step computes for
+    position p equals bit for bit the decode step at p (B = 1, two threads). Contexts cross block
+    boundaries and run past 8 blocks, where the kernel once split a lone decode's keys."""
+    from specplan.engine.model.attention_cpu import paged_attention_cpu
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for ctx in range(120, 300, 13):
+            for T in (2, 5):
+                batch, num_blocks = make_batch([(ctx, T)], 16, ctx)
+                q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 9, 3, head_dim, torch.float32, ctx)
+                verify = paged_attention_cpu(q, k_cache, v_cache, batch, 0.125, None)
+                for row in range(T):
+                    alone = paged_attention_cpu(q[row:row + 1].contiguous(), k_cache, v_cache, _alone(batch, row),
+                                                0.125, None)
+                    assert torch.equal(alone[0], verify[row]), (ctx, T, row)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_tree_verify_on_two_threads(kernel):
+    """A single request verifying a draft tree on two threads."""
     from specplan.engine.model.attention_cpu import paged_attention_cpu
 
     tree = random_tree(random.Random(3), 9)

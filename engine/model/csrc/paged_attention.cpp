@@ -27,8 +27,20 @@
 // Work split: by default one item per (request, chunk of <= kQueryChunk query tokens) covering all
 // KV heads, so every cache block is streamed once, front to back, with the next block prefetched.
 // Few requests (a single verify or prefill): one item per KV head, and query chunks are halved
-// until each thread has a couple of items; if there are still too few (a single decode), each
-// item's keys are split into ranges whose softmax pieces are merged after (merge_split).
+// until each thread has a couple of items.
+//
+// Batch invariance: a row's result depends only on its own query, keys and values, never on the
+// other rows of the batch or the thread count: every row runs one online softmax over its keys
+// front to back, whoever computes it. Greedy speculation needs this bit for bit: a verify step's
+// row must equal the decode step that would have produced it. Splitting a lone decode's keys into
+// ranges merged after (flash-decoding) broke it: a decode at B = 1 summed its keys in pieces
+// while the same row inside a verify step did not, and the last-bit difference flipped greedy
+// tokens once int8 activation rounding (quant_linear.cpp) magnified it. The split bought nothing
+// measurable up to 1024 keys (a B = 1 decode's attention over 30 layers, 2 threads: 1.26 -> 1.08-1.26
+// ms at 256 keys, 5.3 -> 5.3-6.0 ms at 1024) and cost 20 -> 22-26 ms at 4096 keys
+// (scripts/bench_attention_shapes.py, two runs after, one before). Getting that back without
+// losing invariance needs ranges fixed by key index (say every 1024 keys) that every row of every
+// batch uses, merged in the same order, not ranges chosen from the batch's item count.
 // Threads of torch's intra-op pool (at::parallel_for;
 // hence -fopenmp at build time) pull items, costliest first, from a shared counter. Per item and
 // query row: online (streaming) softmax over the key blocks, accumulated in the input precision.
@@ -72,7 +84,6 @@ constexpr int64_t kPrefetchBlocks = 2;  // generic loops: KV blocks fetched ahea
 constexpr int64_t kPrefetchUnits = 2;
 constexpr int64_t kItemsPerThread = 4;     // fewer (request, chunk) items per thread: split by KV head
 constexpr int64_t kMinItemsPerThread = 2;  // still fewer: split the query rows finer
-constexpr int64_t kMinBlocksPerRange = 4;  // and then the keys, in ranges of at least this many blocks
 
 // Explicit SIMD through GCC/Clang vector extensions (no intrinsics): 32-byte vectors become one
 // AVX register when built with -mavx2, or two SSE/NEON registers otherwise. Plain loops were
@@ -459,20 +470,7 @@ struct WorkItem {
   int64_t kv_end;
   int64_t tok_begin;  // rows of q
   int64_t tok_end;
-  int64_t key_begin;  // the request's keys [key_begin, key_end) this item reads (rows clip to it)
-  int64_t key_end;
   int64_t cost;  // rows x keys, for largest-first scheduling
-  int64_t partial = -1;  // -1: the item covers every key and writes `out`; else one key range of a
-                         // split item: the first of its rows in the partial buffers (see merge_split)
-};
-
-// A work item whose keys were split into ranges (flash-decoding): `splits` items, one per range,
-// wrote their unnormalized softmax state (running max m, sum l, accumulator acc) for the same
-// rows to the partial buffers, range s at rows first + s * rows; merge_split combines them.
-struct SplitGroup {
-  int64_t tok_begin, tok_end;  // rows of q
-  int64_t head0, heads;  // query heads [head0, head0 + heads)
-  int64_t first, splits;
 };
 
 template <typename T>
@@ -515,9 +513,6 @@ struct Args {
   int64_t sk0, sk1, sk2, sv0, sv1, sv2;  // element strides: block, slot, kv head
   T scale;
   int64_t window;
-  T* part_m;  // split items' partial softmax state: [partial rows], [partial rows], [partial rows, D]
-  T* part_l;
-  T* part_acc;
 };
 
 // FastD > 0: float with head_dim FastD, through attend_heads; 0: the generic loops.
@@ -554,8 +549,6 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
       lo = 0;
       hi = seq_len;
     }
-    lo = std::max(lo, it.key_begin);
-    hi = std::min(hi, it.key_end);
     if (hi <= lo) lo = hi = 0;  // nothing visible: the row comes out as zeros
     s.lo[i] = lo;
     s.hi[i] = hi;
@@ -657,12 +650,6 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
     }
   }
 
-  if (it.partial >= 0) {  // one key range of a split item: keep the state for merge_split
-    std::copy(s.m.begin(), s.m.begin() + rows, a.part_m + it.partial);
-    std::copy(s.l.begin(), s.l.begin() + rows, a.part_l + it.partial);
-    std::copy(s.acc.begin(), s.acc.begin() + rows * D, a.part_acc + it.partial * D);
-    return;
-  }
   for (int64_t i = 0; i < ntok; ++i) {
     T* o = a.out + ((it.tok_begin + i) * a.H + head0) * D;
     for (int64_t h = 0; h < heads; ++h) {
@@ -670,36 +657,6 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
       const T inv = s.l[r] > 0 ? T(1) / s.l[r] : T(0);
       const T* acc = s.acc.data() + r * D;
       for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[d] * inv;
-    }
-  }
-}
-
-// out = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s with m = max_s m_s: the softmax over
-// all keys from its per-range pieces. A range with no visible key (m_s = -inf) adds nothing; a
-// row with none at all comes out as zeros, as an unsplit item would write it.
-template <typename T>
-void merge_split(const Args<T>& a, const SplitGroup& g) {
-  const int64_t ntok = g.tok_end - g.tok_begin, rows = ntok * g.heads, D = a.D;
-  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-  for (int64_t i = 0; i < ntok; ++i) {
-    for (int64_t h = 0; h < g.heads; ++h) {
-      const int64_t r = g.first + i * g.heads + h;
-      T m = kNegInf;
-      for (int64_t p = 0; p < g.splits; ++p) m = std::max(m, a.part_m[r + p * rows]);
-      T* o = a.out + ((g.tok_begin + i) * a.H + g.head0 + h) * D;
-      std::fill(o, o + D, T(0));
-      if (m == kNegInf) continue;
-      T l = 0;
-      for (int64_t p = 0; p < g.splits; ++p) {
-        const int64_t rp = r + p * rows;
-        if (a.part_m[rp] == kNegInf) continue;
-        const T w = std::exp(a.part_m[rp] - m);
-        l += w * a.part_l[rp];
-        const T* acc = a.part_acc + rp * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * acc[d];
-      }
-      const T inv = l > 0 ? T(1) / l : T(0);
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   }
 }
@@ -821,42 +778,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
       if (sliding_window > 0) keys = std::min(keys, sliding_window);
       const int64_t cost = (t1 - t0) * kv_per_item * std::max<int64_t>(keys, 1);
       for (int64_t kv = 0; kv < KVH; kv += kv_per_item)
-        items.push_back({b, kv, kv + kv_per_item, t0, t1, 0, sl[b], cost});
+        items.push_back({b, kv, kv + kv_per_item, t0, t1, cost});
     }
-  }
-  // Still too few items to keep every thread busy (a single decode: one item per KV head, 3 for 2
-  // threads): split each item's keys into ranges of whole blocks, attend to each range on its own
-  // and merge the pieces after (merge_split; flash-decoding). Worked example: B = 1, T = 1, KVH = 3,
-  // 2 threads, 256 keys in blocks of 16: want = ceil(8 / 3) = 3 ranges per item, of blocks
-  // [0, 5), [5, 10), [10, 16), so 9 items where there were 3. Not with a sliding window, whose rows
-  // start late (the early ranges would hold no visible key).
-  std::vector<SplitGroup> groups;
-  int64_t partial_rows = 0;
-  const int64_t enough = kItemsPerThread * threads;
-  if (threads > 1 && sliding_window <= 0 && static_cast<int64_t>(items.size()) < enough) {
-    const int64_t want = (enough + items.size() - 1) / items.size();
-    std::vector<WorkItem> split;
-    for (const WorkItem& it : items) {
-      const int64_t blocks = (it.key_end + bs - 1) / bs;
-      const int64_t ranges = std::min(want, blocks / kMinBlocksPerRange);
-      if (ranges < 2) {
-        split.push_back(it);
-        continue;
-      }
-      const int64_t rows = (it.tok_end - it.tok_begin) * (it.kv_end - it.kv_begin) * (H / KVH);
-      groups.push_back({it.tok_begin, it.tok_end, it.kv_begin * (H / KVH), rows / (it.tok_end - it.tok_begin),
-                        partial_rows, ranges});
-      for (int64_t p = 0; p < ranges; ++p) {
-        WorkItem piece = it;
-        piece.key_begin = blocks * p / ranges * bs;
-        piece.key_end = std::min(blocks * (p + 1) / ranges * bs, it.key_end);
-        piece.cost = std::max<int64_t>(1, it.cost * (piece.key_end - piece.key_begin) / std::max<int64_t>(it.key_end, 1));
-        piece.partial = partial_rows + p * rows;
-        split.push_back(piece);
-      }
-      partial_rows += ranges * rows;
-    }
-    items.swap(split);
   }
   std::stable_sort(items.begin(), items.end(),
                    [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
@@ -887,10 +810,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
     a.sv2 = v_cache.stride(2);
     a.scale = static_cast<scalar_t>(scale);
     a.window = sliding_window;
-    std::vector<scalar_t> part_m(partial_rows), part_l(partial_rows), part_acc(partial_rows * D);
-    a.part_m = part_m.data();
-    a.part_l = part_l.data();
-    a.part_acc = part_acc.data();
     // The common head sizes get the float fast path; everything else the generic loops.
     constexpr bool fast = kFastPath && std::is_same_v<scalar_t, float>;
     if (D == 64) {
@@ -900,7 +819,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
     } else {
       run<scalar_t, 0>(a, items);
     }
-    for (const SplitGroup& g : groups) merge_split(a, g);
   });
   return out;
 }
