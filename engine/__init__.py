@@ -6,8 +6,8 @@ policies, profiler or benches.
 """
 
 from .config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from .decider import (FixedDecider, PredictsStepTime, RequestRecord, RequestView, SpecDecider, StepRecord,
-                      StepView)
+from .decider import (FixedDecider, PredictsStepTime, RequestRecord, RequestView, ScreensSteps, SpecDecider,
+                      StepOutline, StepRecord, StepView)
 from .drafts import DraftTokens, DraftTree
 from .engine import LLMEngine, RequestError, RequestOutput
 from .llm import LLM
@@ -26,7 +26,8 @@ __all__ = [
     "EngineConfig", "CacheConfig", "SchedulerConfig", "SpecConfig", "ModelConfig",
     "LoadedModel", "ModelLoadError", "default_model_path", "load_model",
     # the decider seam (a planner implements SpecDecider)
-    "SpecDecider", "PredictsStepTime", "FixedDecider", "StepView", "RequestView", "StepRecord", "RequestRecord",
+    "SpecDecider", "PredictsStepTime", "ScreensSteps", "FixedDecider", "StepView", "StepOutline", "RequestView",
+    "StepRecord", "RequestRecord",
     "SpecStats",
     # proposers and what they answer
     "Proposer", "make_proposer", "NgramProposer", "SuffixProposer", "DraftTokens", "DraftTree",

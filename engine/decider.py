@@ -76,6 +76,19 @@ class StepRecord:
     total_s: float
 
 
+@dataclass(frozen=True)
+class StepOutline:
+    """A step as the engine knows it before any lookup: counts only, no request of its own."""
+
+    num_decodes: int  # decode-ready requests
+    decode_context_tokens: int  # their context lengths summed
+    num_prefill_tokens: int
+    num_prefill_seqs: int
+    context_tokens: int  # as StepView.context_tokens
+    max_k: int  # the most drafts any one request may get
+    draft_budget: int | None = None  # as StepView.draft_budget
+
+
 @runtime_checkable
 class SpecDecider(Protocol):
     def decide(self, view: StepView) -> list[int]:
@@ -120,6 +133,23 @@ def draft_stop(decider: SpecDecider) -> DraftStop | None:
     return getattr(decider, "draft_stop", None)
 
 
+class ScreensSteps(Protocol):
+    """Optional for a ``SpecDecider``: whether a step shaped like ``outline`` could give drafts to
+    anyone. False means ``decide`` would answer 0 for every request whatever the proposer found
+    (SD off, or a compute-bound step where even drafts that were all accepted would not pay), so
+    the engine skips the lookups and the decision; the decider counts the step as decided all 0.
+    Read it through ``may_speculate()``."""
+
+    def may_speculate(self, outline: StepOutline) -> bool:
+        ...
+
+
+def may_speculate(decider: SpecDecider, outline: StepOutline) -> bool:
+    """The decider's answer for this step, or True when it does not screen steps."""
+    screen = getattr(decider, "may_speculate", None)
+    return True if screen is None else bool(screen(outline))
+
+
 class PredictsStepTime(Protocol):
     """Optional for a ``SpecDecider``: the step time it predicted when it made its latest decision.
 
@@ -150,6 +180,9 @@ class FixedDecider:
 
     def decide(self, view: StepView) -> list[int]:
         return [self.k] * len(view.requests)
+
+    def may_speculate(self, outline: StepOutline) -> bool:
+        return self.k > 0  # SD off looks nothing up
 
     def observe(self, record: StepRecord) -> None:
         pass

@@ -19,8 +19,8 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..profiler.latency_model import DraftCost, LatencyModel, StepShape
-from .acceptance import (LOOKUP_PROPOSERS, AcceptanceConfig, PooledAcceptance, ProposerPrior, RequestAcceptance,
-                         default_prior, match_bucket)
+from .acceptance import (LOOKUP_PROPOSERS, AcceptanceConfig, AcceptanceEstimate, PooledAcceptance, ProposerPrior,
+                         RequestAcceptance, default_prior, match_bucket)
 from .calibration import AcceptanceCalibration, CalibrationConfig
 from .confidence import ConfidenceCalibration, ConfidenceConfig, ConfidenceStop
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
@@ -29,7 +29,7 @@ from .policy import Outcome, Policy, PolicyState, RequestState, Roofline, StepPr
 from .timing import StepTimingLearner, TimingConfig
 
 if TYPE_CHECKING:  # protocol and data types only; importing the engine package would import torch
-    from ..engine.decider import StepRecord, StepView
+    from ..engine.decider import StepOutline, StepRecord, StepView
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,7 @@ class Planner:
         self.last_ks: list[int] = []  # the latest decision, aligned with last_state.requests
         self.num_decisions = 0  # request-steps decided
         self.num_zero_decisions = 0  # of which k = 0
+        self._perfect: dict[int, AcceptanceEstimate] = {}  # cap -> every draft accepted (may_speculate)
 
     # ------------------------------------------------------------------ helpers
 
@@ -211,6 +212,36 @@ class Planner:
             del self._requests[seq_id]
 
     # ------------------------------------------------------------ SpecDecider
+
+    def may_speculate(self, outline: StepOutline) -> bool:
+        """The engine's screen before any lookup (engine/decider.py ``ScreensSteps``): False when
+        the policy says no request could be given drafts in a step of this shape even if every
+        draft were accepted (a compute-bound step), so lookups and ``decide`` are skipped. Such a
+        step is counted as decided 0 for all, and its off step time is still predicted."""
+        may_pay = getattr(self.policy, "may_pay", None)
+        if may_pay is None or outline.num_decodes == 0:
+            return True
+        cap = max(0, min(outline.max_k, self.config.max_k))
+        perfect = self._perfect.get(cap)
+        if perfect is None:
+            perfect = self._perfect[cap] = AcceptanceEstimate(1.0, (1.0,) * cap)
+        n = outline.num_decodes
+        share, extra = divmod(outline.decode_context_tokens, n)  # only the sum is read
+        reqs = tuple(RequestState(-1 - i, "", cap, share + (extra if i == 0 else 0), perfect, None, 1)
+                     for i in range(n))
+        base = StepShape(n + outline.num_prefill_seqs, n + outline.num_prefill_tokens, outline.context_tokens)
+        state = PolicyState(requests=reqs, base=base, max_k=cap, proposer=self.proposer or "",
+                            workload=self.workload, pricing=self._pricing(n), sla_itl_s=self.sla_itl_s,
+                            draft_budget=outline.draft_budget, roofline=self.roofline)
+        if may_pay(state):
+            return True
+        self._step += 1
+        self.num_decisions += n
+        self.num_zero_decisions += n
+        self.draft_stop = None
+        self._chosen_gains = {}
+        self.last_state, self.last_ks = state, [0] * n
+        return False
 
     def decide(self, view: StepView) -> list[int]:
         self._step += 1

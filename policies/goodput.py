@@ -260,6 +260,19 @@ class GoodputPolicy:
         budget = self.explore_budget * self.explore_share(state)
         return (self._probe(state, cost, chosen, budget) if budget > 0 else None) or chosen
 
+    def may_pay(self, state: PolicyState) -> bool:
+        """Whether ``plan`` could give anyone drafts in this step, judged with every request's
+        drafts all accepted (``state.requests`` carry that belief: the planner's screen,
+        controller.py ``may_speculate``). Real gains are at most these, and ``plan`` only keeps
+        or cuts what an allocation at the learned price, or a probe at the optimistic one, hands
+        out; so False is exact: plan would answer 0 for all, and the engine can skip its lookups."""
+        cost = state.cost_model()
+        if self._allocate(state, cost).total_drafts:
+            return True
+        probing = (self.explore_budget and state.pricing.explore_slope < state.pricing.draft_slope
+                   and self.explore_share(state) > 0)
+        return bool(probing and self._allocate(state, state.cost_model(state.pricing.explore_slope)).total_drafts)
+
     def explore_share(self, state: PolicyState) -> float:
         """How much of the exploration budget this step may spend: 1 while its intensity is under
         ``explore_full_below`` x the ridge, 0 from the ridge on, linear between.

@@ -90,6 +90,39 @@ class _CountingDecider(FixedDecider):
         return super().decide(view)
 
 
+def test_a_step_the_decider_screens_out_looks_nothing_up():
+    """SD off and steps a decider screens out (``may_speculate`` False) skip the proposer's lookup
+    and ``decide``; the tokens are SD off's."""
+
+    class CountingNgram(NgramProposer):
+        calls = 0
+
+        def propose(self, seqs, k, stop=None):
+            CountingNgram.calls += 1
+            return super().propose(seqs, k)
+
+    class ScreensAll(_CountingDecider):
+        def may_speculate(self, outline):
+            assert outline.num_decodes >= 1 and outline.max_k >= 1
+            return False
+
+        def decide(self, view):  # only asked where no request may draft (the last token): nothing to screen
+            assert all(r.max_k == 0 for r in view.requests)
+            return super().decide(view)
+
+    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
+    engine = _engine(loaded, "ngram", max_batch=2, draft_layers=1)
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 5, 6, 5]]
+    off = run_cell(engine, prompts, FixedDecider(0), max_tokens=8, proposer=CountingNgram())
+    assert CountingNgram.calls == 0
+    screened = ScreensAll(3)
+    out = run_cell(engine, prompts, screened, max_tokens=8, proposer=CountingNgram())
+    assert CountingNgram.calls == 0 and out["outputs"] == off["outputs"]
+    assert out["k_zero_share"] == 1.0
+    run_cell(engine, prompts, FixedDecider(2), max_tokens=8, proposer=CountingNgram())
+    assert CountingNgram.calls > 0
+
+
 def test_cells_are_lossless_across_deciders():
     loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
     engine = _engine(loaded, "ngram", max_batch=4, draft_layers=1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from specplan.engine import RequestRecord, RequestView, SpecDecider, StepRecord, StepView
+from specplan.engine import RequestRecord, RequestView, SpecDecider, StepOutline, StepRecord, StepView
 from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, DraftSlopeConfig, DriftCorrection, Planner,
                               PlannerConfig, PolicyState, PooledAcceptance, RequestAcceptance, RequestState,
                               StepCostModel, StepPricing, StepTimingLearner, expected_tokens, step_goodput)
@@ -525,6 +525,34 @@ def test_planner_on_when_memory_bound_off_when_compute_bound():
         busy.observe(record(ks, [0.8] * 32, rng, forward_s=0.032))
         assert ks == [0] * 32
     assert busy.zero_share == 1.0
+
+
+def outline_of(v: StepView) -> StepOutline:
+    n = len(v.requests)
+    return StepOutline(n, sum(r.num_tokens for r in v.requests), v.num_prefill_tokens, v.num_prefill_seqs,
+                       v.context_tokens, max(r.max_k for r in v.requests), v.draft_budget)
+
+
+def test_planner_screens_out_steps_where_no_draft_could_pay():
+    """``may_speculate``: False only where ``decide`` would answer all zeros even for requests
+    whose every draft is accepted; such a step counts as decided 0 and keeps a prediction."""
+    rng = random.Random(3)
+    busy = Planner(make_policy("goodput"), COMPUTE_BOUND)
+    assert busy.may_speculate(outline_of(view(32))) is False
+    assert (busy.num_decisions, busy.num_zero_decisions, busy.last_ks) == (32, 32, [0] * 32)
+    assert busy.predicted_step_s == pytest.approx(COMPUTE_BOUND.predict(StepShape(32, 32, 500 * 32)))
+    mem = Planner(make_policy("goodput"), FLAT)
+    assert mem.may_speculate(outline_of(view(4))) is True and mem.num_decisions == 0
+    assert Planner(make_policy("static:3")).may_speculate(outline_of(view(2))) is True  # no screen: ask decide
+    # Exact: wherever the screen says no, decide says 0 for requests that accept everything.
+    for latency in (FLAT, COMPUTE_BOUND, RidgeLatency(0.02, 0.001, 0.0, 12), RidgeLatency(0.02, 0.0004, 0.0, 6)):
+        for n in (1, 2, 4, 8, 16, 32):
+            screen, planner = Planner(make_policy("goodput"), latency), Planner(make_policy("goodput"), latency)
+            for _ in range(40):  # everything accepted: the beliefs rise to what the screen assumes
+                ks = planner.decide(view(n))
+                planner.observe(record(ks, [1.0] * n, rng, forward_s=latency.predict(StepShape(n, n + sum(ks), 500 * n))))
+            if not screen.may_speculate(outline_of(view(n))):
+                assert planner.decide(view(n)) == [0] * n, (latency, n)
 
 
 def test_planner_slow_start_on_an_unproven_prior():

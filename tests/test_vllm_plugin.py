@@ -163,6 +163,40 @@ def test_a_step_without_drafts_does_not_ask_the_planner():
     assert drafter.stats.by_batch[1][0] == 1 and drafter.stats.own_ms_per_call(1) > 0
 
 
+def test_a_step_the_planner_screens_out_looks_nothing_up():
+    """A planner that says no draft could pay in this step (``may_speculate``): no lookup, no
+    ``decide``, no drafts; the next step's record still reaches it (k = 0 for all)."""
+
+    class Screening(Scripted):
+        outlines: list = []
+
+        def may_speculate(self, outline):
+            self.outlines.append(outline)
+            return False
+
+    class CountingLookup(NgramLookup):
+        asked = 0
+
+        def lookup(self, requests, caps):
+            CountingLookup.asked += sum(1 for c in caps if c)
+            return super().lookup(requests, caps)
+
+    planner = Screening(k=3)
+    drafter = PlanningDrafter(planner, 4, MAX_LEN, max_num_batched_tokens=256, lookup=CountingLookup())
+    b = Batch()
+    b.put(0, REPEATING + [5])
+    b.put(1, OTHER + [23])
+    assert drafter.propose([[5], [23]], b.lens, b.toks) == [[], []]
+    (outline,) = planner.outlines
+    assert (outline.num_decodes, outline.max_k, outline.draft_budget) == (2, 4, 254)
+    assert outline.context_tokens == outline.decode_context_tokens == len(REPEATING) + len(OTHER) + 2
+    assert CountingLookup.asked == 0 and planner.views == []
+    b.append(0, [6])
+    b.append(1, [30])
+    drafter.propose([[6], [30]], b.lens, b.toks)
+    assert [(r.k, r.num_proposed) for r in planner.records[-1].requests] == [(0, 0), (0, 0)]
+
+
 def test_fast_built_views_and_records_equal_the_engines():
     from specplan.engine.decider import RequestRecord, RequestView
     from specplan.integrations.vllm import _request_record, _request_view

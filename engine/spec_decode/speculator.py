@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from ..block_manager import BlockManager
-from ..decider import RequestView, SpecDecider, StepView, draft_stop
+from ..decider import RequestView, SpecDecider, StepOutline, StepView, draft_stop, may_speculate
 from ..model_runner import ScheduledSeq
 from ..drafts import DraftTokens
 from ..proposers.base import LooksUpFirst, Proposer, StopsEarly
@@ -43,6 +43,13 @@ class Speculator:
         for s in seqs:
             remaining = min(s.params.max_tokens - s.num_output_tokens, max_model_len - s.num_tokens)
             caps.append(max(0, min(self.max_k, remaining - 1)))  # k drafts emit at most k + 1 tokens
+        forced = any(s.params.num_speculative_tokens for s in seqs)
+        if any(caps) and not forced:
+            outline = StepOutline(len(seqs), sum(s.num_tokens for s in seqs), view_extra["num_prefill_tokens"],
+                                  view_extra["num_prefill_seqs"], view_extra["context_tokens"], max(caps), budget)
+            t0 = time.perf_counter()
+            if not may_speculate(self.decider, outline):  # no lookup, no decision: every k is 0
+                return Proposal([0] * len(seqs), None, decide_s=time.perf_counter() - t0)
         up_front = self.proposer.proposes_prefixes
         ahead = self.proposer.propose(seqs, caps) if up_front and any(caps) else None
         if ahead is not None:

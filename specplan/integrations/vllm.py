@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from specplan.engine.decider import RequestRecord, RequestView, StepRecord, StepView
+from specplan.engine.decider import RequestRecord, RequestView, StepOutline, StepRecord, StepView, may_speculate
 from specplan.planner import Planner, PlannerConfig, planner_from_profile
 from specplan.policies import make_policy
 from specplan.profiler.vllm_timer import VLLM_KERNELS_PREFIX, scheduled_tokens, vllm_kernels
@@ -352,6 +352,8 @@ class PlanningDrafter:
         requests = [r.request for r in batch.decodes]
         room = self.max_model_len - 1
         caps = [max(0, min(cap_all, room - t.num_tokens)) for t in requests]
+        if any(caps) and not may_speculate(self.planner, self._outline(batch, requests, max(caps))):
+            caps = [0] * len(requests)  # a step where no draft could pay: no lookup, no decision
         found = self.lookup.lookup(requests, caps)
         t1 = now()
         st = self.stats
@@ -376,6 +378,17 @@ class PlanningDrafter:
                 t.natural_k = t.match_length = None
         st.drafts_proposed += proposed
 
+    def _budget(self, batch: BatchRows, num_decodes: int) -> int | None:
+        """Query tokens the step's budget leaves for drafts (None: no limit)."""
+        if self.max_num_batched_tokens is None:
+            return None
+        return max(0, self.max_num_batched_tokens - num_decodes - len(batch.prefill_rows))
+
+    def _outline(self, batch: BatchRows, requests: list, max_k: int) -> StepOutline:
+        context = sum(t.num_tokens for t in requests)
+        return StepOutline(len(requests), context, 0, len(batch.prefill_rows), context, max_k,
+                           self._budget(batch, len(requests)))
+
     def _decide(self, batch: BatchRows, requests: list, found: list[Found]) -> list[int]:
         views, context = [], 0
         for t, f in zip(requests, found):
@@ -383,10 +396,8 @@ class PlanningDrafter:
             context += n
             drafts = len(f.drafts)
             views.append(_request_view(t.seq_id, "", n, n - t.first_len + 1, drafts, True, drafts, f.match_length))
-        budget = (max(0, self.max_num_batched_tokens - len(views) - len(batch.prefill_rows))
-                  if self.max_num_batched_tokens is not None else None)
         view = StepView(requests=tuple(views), num_prefill_tokens=0, num_prefill_seqs=len(batch.prefill_rows),
-                        context_tokens=context, proposer=self.lookup.name, draft_budget=budget)
+                        context_tokens=context, proposer=self.lookup.name, draft_budget=self._budget(batch, len(views)))
         return self.planner.decide(view)
 
     def _write_stats(self) -> None:
