@@ -41,6 +41,7 @@ from typing import Callable, ClassVar, Sequence
 from ..planner.acceptance import AcceptanceEstimate
 from ..planner.goodput import StepCostModel, step_goodput
 from ..planner.policy import PolicyState
+from ..profiler.latency_model import DraftCost
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,69 @@ def _branch_and_bound(cum: list[float], base: float, step_s: Callable[[int], flo
     return best
 
 
+@dataclass(frozen=True)
+class _StepSeconds:
+    """Charged seconds of a step carrying n drafts at most ``depth`` deep (a draft model pays one
+    pass per position up to the deepest; exact for allocations that deep, shallower ones win at
+    their own depth)."""
+
+    target_s: Callable[[int], float]
+    fixed: float
+    draft: DraftCost
+    depth: int
+
+    def __call__(self, n: int) -> float:
+        extra = self.draft.per_pass_s * self.depth + self.draft.per_token_s * n if n else 0.0
+        return self.target_s(n) + self.fixed + extra
+
+
+def _best_total(cum: list[float], num: int, step_s: Callable[[int], float], sla_s: float | None, floor: float,
+                assume_monotone: bool) -> tuple[int, float, float]:
+    """The best number of drafts n (cum[n]: the n best gains summed) beating ``floor``."""
+    search = _branch_and_bound if assume_monotone else _scan
+    try:
+        return search(cum, num, step_s, sla_s, floor)
+    except _NotMonotone:  # a prediction fell as tokens grew: the bounds do not hold
+        return _scan(cum, num, step_s, sla_s, floor)
+
+
+def _step_seconds_model(cost: StepCostModel) -> tuple[Callable[[int], float], float]:
+    """(target seconds by total drafts, memoised; the fixed charged seconds beside them)."""
+    t_cache: dict[int, float] = {}
+
+    def target_s(n: int) -> float:
+        t = t_cache.get(n)
+        if t is None:
+            t = t_cache[n] = cost.target_seconds(n)
+        return t
+
+    return target_s, cost.overhead_s - cost.shared_s
+
+
+def any_draft_pays(num: int, cap: int, cost: StepCostModel, *, sla_itl_s: float | None = None,
+                   min_relative_gain: float = 0.0, assume_monotone: bool = True,
+                   max_total_drafts: int | None = None) -> bool:
+    """Whether ``allocate`` would hand out any draft to ``num`` requests of cap ``cap`` if every
+    draft were accepted (each gain 1). Real gains are at most 1, so False means ``allocate``
+    answers all zeros for any estimates: the planner's screen (controller.py ``may_speculate``),
+    without building estimates or sorting gains (with equal gains the n best sum to n)."""
+    if num == 0 or cap <= 0:
+        return False
+    target_s, fixed = _step_seconds_model(cost)
+    off_s = target_s(0) + fixed
+    sla_s = sla_itl_s - cost.shared_s if sla_itl_s is not None else None
+    if sla_s is not None and off_s > sla_s:
+        return False
+    floor = num / off_s * (1.0 + min_relative_gain)
+    limit = num * cap if max_total_drafts is None else max(0, min(num * cap, max_total_drafts))
+    draft = cost.draft_cost
+    for depth in (range(1, cap + 1) if draft.per_pass_s > 0.0 else (cap,)):
+        cum = [float(n) for n in range(min(limit, num * depth) + 1)]
+        if _best_total(cum, num, _StepSeconds(target_s, fixed, draft, depth), sla_s, floor, assume_monotone)[0]:
+            return True
+    return False
+
+
 def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost: StepCostModel, *,
              sla_itl_s: float | None = None, min_relative_gain: float = 0.0,
              assume_monotone: bool = True, max_total_drafts: int | None = None) -> Allocation:
@@ -147,15 +211,7 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     # SLA bounds the whole step. Both differ by the constant ``shared``, so the search runs on
     # charged seconds against an SLA lowered by it.
     shared = cost.shared_s
-    fixed = cost.overhead_s - shared
-    t_cache: dict[int, float] = {}
-
-    def target_s(n: int) -> float:
-        t = t_cache.get(n)
-        if t is None:
-            t = t_cache[n] = cost.target_seconds(n)
-        return t
-
+    target_s, fixed = _step_seconds_model(cost)
     off_s = target_s(0) + fixed  # charged
     off_goodput = num / off_s
     sla_s = sla_itl_s - shared if sla_itl_s is not None else None
@@ -185,16 +241,7 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     for depth in depth_caps:
         order = (full if depth == deepest else [x for x in full if x % deepest < depth])[:limit]
         cum = list(accumulate(map(flat.__getitem__, order), initial=0.0))
-        pass_s = draft.per_pass_s * depth  # exact for prefixes this deep; shallower ones win at their own cap
-
-        def step_s(n: int, pass_s: float = pass_s) -> float:
-            return target_s(n) + fixed + (pass_s + draft.per_token_s * n if n else 0.0)
-
-        search = _branch_and_bound if assume_monotone else _scan
-        try:
-            n, g, t = search(cum, num, step_s, sla_s, best_g)
-        except _NotMonotone:  # a prediction fell as tokens grew: the bounds do not hold
-            n, g, t = _scan(cum, num, step_s, sla_s, best_g)
+        n, g, t = _best_total(cum, num, _StepSeconds(target_s, fixed, draft, depth), sla_s, best_g, assume_monotone)
         if n and g > best_g:
             best_n, best_g, best_s, chosen = n, g, t, order
     if best_n == 0:
@@ -261,17 +308,21 @@ class GoodputPolicy:
         return (self._probe(state, cost, chosen, budget) if budget > 0 else None) or chosen
 
     def may_pay(self, state: PolicyState) -> bool:
-        """Whether ``plan`` could give anyone drafts in this step, judged with every request's
-        drafts all accepted (``state.requests`` carry that belief: the planner's screen,
-        controller.py ``may_speculate``). Real gains are at most these, and ``plan`` only keeps
-        or cuts what an allocation at the learned price, or a probe at the optimistic one, hands
-        out; so False is exact: plan would answer 0 for all, and the engine can skip its lookups."""
-        cost = state.cost_model()
-        if self._allocate(state, cost).total_drafts:
+        """Whether ``plan`` could give anyone drafts in this step (the planner's screen, controller.py
+        ``may_speculate``; ``state.requests`` matter only through their number and context, each
+        with cap ``state.max_k``), judged as if every draft were accepted. ``plan`` only keeps or
+        cuts what an allocation at the learned price, or a probe at the optimistic one, hands out;
+        so False is exact: plan would answer 0 for all, and the engine can skip its lookups."""
+        def pays(cost: StepCostModel) -> bool:
+            return any_draft_pays(len(state.requests), state.max_k, cost, sla_itl_s=state.sla_itl_s,
+                                  min_relative_gain=self.min_relative_gain,
+                                  assume_monotone=self.assume_monotone_latency, max_total_drafts=state.draft_budget)
+
+        if pays(state.cost_model()):
             return True
         probing = (self.explore_budget and state.pricing.explore_slope < state.pricing.draft_slope
                    and self.explore_share(state) > 0)
-        return bool(probing and self._allocate(state, state.cost_model(state.pricing.explore_slope)).total_drafts)
+        return bool(probing and pays(state.cost_model(state.pricing.explore_slope)))
 
     def explore_share(self, state: PolicyState) -> float:
         """How much of the exploration budget this step may spend: 1 while its intensity is under
