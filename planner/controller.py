@@ -134,7 +134,6 @@ class Planner:
         self.last_ks: list[int] = []  # the latest decision, aligned with last_state.requests
         self.num_decisions = 0  # request-steps decided
         self.num_zero_decisions = 0  # of which k = 0
-        self._perfect: dict[int, AcceptanceEstimate] = {}  # cap -> every draft accepted (may_speculate)
 
     # ------------------------------------------------------------------ helpers
 
@@ -222,13 +221,12 @@ class Planner:
         if may_pay is None or outline.num_decodes == 0:
             return True
         cap = max(0, min(outline.max_k, self.config.max_k))
-        perfect = self._perfect.get(cap)
-        if perfect is None:
-            perfect = self._perfect[cap] = AcceptanceEstimate(1.0, (1.0,) * cap)
         n = outline.num_decodes
-        share, extra = divmod(outline.decode_context_tokens, n)  # only the sum is read
-        reqs = tuple(RequestState(-1 - i, "", cap, share + (extra if i == 0 else 0), perfect, None, 1)
-                     for i in range(n))
+        # The policy reads the requests' number, cap and summed context (the prefill's share of
+        # the step), nothing per request: one stand-in, n times (its context rounded down).
+        stand_in = RequestState(-1, "", cap, outline.decode_context_tokens // n,
+                                AcceptanceEstimate(1.0, (1.0,) * cap), None, 1)
+        reqs = (stand_in,) * n
         base = StepShape(n + outline.num_prefill_seqs, n + outline.num_prefill_tokens, outline.context_tokens)
         state = PolicyState(requests=reqs, base=base, max_k=cap, proposer=self.proposer or "",
                             workload=self.workload, pricing=self._pricing(n), sla_itl_s=self.sla_itl_s,
