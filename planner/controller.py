@@ -51,8 +51,14 @@ class PlannerConfig:
     drift: DriftConfig = DriftConfig()
     draft_slope: DraftSlopeConfig = DraftSlopeConfig()
     timing: TimingConfig = TimingConfig()
+    # A screen that said "drafts may pay" for a step shape is believed for this many steps
+    # without asking the policy again (0: ask every step). Only a yes is reused: a stale yes costs
+    # one ``decide`` that may answer 0 for all, so decisions stay exactly what they would be.
+    screen_reuse_steps: int = 8
 
     def __post_init__(self) -> None:
+        if self.screen_reuse_steps < 0:
+            raise ValueError(f"screen_reuse_steps must be >= 0, got {self.screen_reuse_steps}")
         if self.max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {self.max_k}")
         if self.acceptance is not None and self.acceptance.max_k < self.max_k:
@@ -130,6 +136,8 @@ class Planner:
         self._pools: dict[tuple[str, str, bool, int | None], PooledAcceptance] = {}
         self._requests: dict[int, _Tracked] = {}
         self._step = 0
+        # (decodes, cap, with prefill) -> the last step the screen's latest yes for that shape covers
+        self._screen_yes_until: dict[tuple[int, int, bool], int] = {}
         self.last_state: PolicyState | None = None
         self.last_ks: list[int] = []  # the latest decision, aligned with last_state.requests
         self.num_decisions = 0  # request-steps decided
@@ -222,6 +230,9 @@ class Planner:
             return True
         cap = max(0, min(outline.max_k, self.config.max_k))
         n = outline.num_decodes
+        shape = (n, cap, outline.num_prefill_seqs > 0)
+        if self._screen_yes_until.get(shape, -1) >= self._step:
+            return True
         # The policy reads the requests' number, cap and summed context (the prefill's share of
         # the step), nothing per request: one stand-in, n times (its context rounded down).
         stand_in = RequestState(-1, "", cap, outline.decode_context_tokens // n,
@@ -232,6 +243,7 @@ class Planner:
                             workload=self.workload, pricing=self._pricing(n), sla_itl_s=self.sla_itl_s,
                             draft_budget=outline.draft_budget, roofline=self.roofline)
         if may_pay(state):
+            self._screen_yes_until[shape] = self._step + self.config.screen_reuse_steps
             return True
         self._step += 1
         self.num_decisions += n

@@ -48,7 +48,7 @@ class TargetText:
 
 
 def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer: str,
-             seed: int = 0) -> tuple[PlanningDrafter, list[float]]:
+             seed: int = 0, screen_reuse_steps: int | None = None) -> tuple[PlanningDrafter, list[float]]:
     """Drive the drafter as vLLM would: B rows, greedy verification against each row's target."""
     from specplan.profiler.fit import HingeLatencyModel
     from specplan.profiler.latency_model import StepShape
@@ -68,6 +68,10 @@ def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer:
         latency = HingeLatencyModel(0.035, (1, 2, 4, 8, 16, 32, 64, 128), (0, 0, 0, 0, 0, 5e-4, 8e-4, 1e-3),
                                     2e-7, 3e-3, 4e-3)
         planner = Planner(rule, latency if "latency" in rule.requires else None, proposer=proposer)
+    if screen_reuse_steps is not None:  # 0: the screen asks the policy every step
+        import dataclasses
+
+        planner.config = dataclasses.replace(planner.config, screen_reuse_steps=screen_reuse_steps)
     sim_now = [0.0]
     drafter = PlanningDrafter(planner, 8, MAX_LEN, 4096, lookup=make_lookup(proposer), clock=lambda: sim_now[0])
     token_ids = np.zeros((batch, MAX_LEN), dtype=np.int32)  # [max_num_seqs, max_model_len], vLLM's buffers
@@ -228,6 +232,8 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true", help="offline: print the top functions by cumulative time")
     ap.add_argument("--planner-breakdown", action="store_true",
                     help="offline: the planner's functions' inclusive ms per call (wrapped timers, ~0.3 us each)")
+    ap.add_argument("--screen-reuse-steps", type=int, default=None,
+                    help="offline: the planner's screen_reuse_steps (default: PlannerConfig's; 0 asks every step)")
     args = ap.parse_args()
     if args.vllm:
         run_vllm(args)
@@ -239,7 +245,8 @@ def main() -> None:
 
         prof = cProfile.Profile()
         prof.enable()
-    drafter, costs = simulate(args.batch, args.steps, args.policy, args.profile, args.proposer)
+    drafter, costs = simulate(args.batch, args.steps, args.policy, args.profile, args.proposer,
+                              screen_reuse_steps=args.screen_reuse_steps)
     if args.cprofile:
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(35)

@@ -555,6 +555,42 @@ def test_planner_screens_out_steps_where_no_draft_could_pay():
                 assert planner.decide(view(n)) == [0] * n, (latency, n)
 
 
+def test_planner_screen_reuses_a_yes_for_a_few_steps_and_never_a_no():
+    """A yes for a step shape is believed for ``screen_reuse_steps`` steps (the policy's search
+    is not rerun where drafts pay, which is where it is pure cost); a no is asked afresh each step."""
+    calls = []
+
+    class counting:  # the goodput policy, counting its screens
+        def __init__(self, policy):
+            self.policy = policy
+
+        def __getattr__(self, name):
+            return getattr(self.policy, name)
+
+        def may_pay(self, state):
+            calls.append(len(state.requests))
+            return self.policy.may_pay(state)
+
+    mem = Planner(counting(make_policy("goodput")), FLAT, config=PlannerConfig(screen_reuse_steps=3))
+    for _ in range(8):
+        assert mem.may_speculate(outline_of(view(4))) is True
+        mem.decide(view(4))
+    assert len(calls) == 2  # asked at steps 0 and 4; reused at 1-3 and 5-7
+    mem.may_speculate(outline_of(view(8)))  # another shape is asked for itself
+    assert calls[-1] == 8 and len(calls) == 3
+    calls.clear()
+    busy = Planner(counting(make_policy("goodput")), COMPUTE_BOUND, config=PlannerConfig(screen_reuse_steps=3))
+    assert [busy.may_speculate(outline_of(view(32))) for _ in range(4)] == [False] * 4 and len(calls) == 4
+    calls.clear()
+    every = Planner(counting(make_policy("goodput")), FLAT, config=PlannerConfig(screen_reuse_steps=0))
+    for _ in range(3):
+        every.may_speculate(outline_of(view(4)))
+        every.decide(view(4))
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="screen_reuse_steps"):
+        PlannerConfig(screen_reuse_steps=-1)
+
+
 def test_planner_slow_start_on_an_unproven_prior():
     """A fresh pool's belief is the proposer's prior: requests start drafting a few at a time.
     Requests that drafted keep drafting; new ones join up to the pool's observed request-steps
