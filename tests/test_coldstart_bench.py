@@ -64,12 +64,29 @@ def test_mixed_and_calibration_summary_by_hand():
     assert c["10"]["1"]["steps"] == 1  # request 50 is in no window
 
 
+def test_calibration_error_weights_buckets_by_steps():
+    """The docstring's worked example, and buckets listed in length order in the report."""
+    from specplan.bench.coldstart import calibration_error
+
+    buckets = {"16+": {"steps": 10, "predicted_first": 0.9, "first_accepted": 0.5, "predicted_accepted": 2.0,
+                       "accepted": 1.0},
+               "2": {"steps": 30, "predicted_first": 0.3, "first_accepted": 0.4, "predicted_accepted": 0.5,
+                     "accepted": 0.7}}
+    e = calibration_error(buckets)
+    assert e["steps"] == 40
+    assert e["drafts_abs_error"] == pytest.approx(0.4)
+    assert e["first_abs_error"] == pytest.approx((10 * 0.4 + 30 * 0.1) / 40)
+    assert e["predicted_over_measured"] == pytest.approx(35 / 31)
+    none_accepted = {"1": {**buckets["2"], "accepted": 0.0}}
+    assert calibration_error(none_accepted)["predicted_over_measured"] is None
+
+
 def test_report_renders(tmp_path):
     rows = cold_rows({OFF: [10, 12], "static:2": [13, 12], ADAPTIVE: [13, 13], WARM: [14, 14]})
     mixed = [{"arm": arm, "run": 0, "batch": 16, "goodput": g, "digest": "x"}
              for arm, g in ((OFF, 100), (ADAPTIVE, 99), (NULL_CONTROL, 97))]
-    calibration = [{"workload": "w", "requests_seen": 0, "bucket": "4-7", "predicted_first": 0.7, "first_accepted": 1.0,
-                    "predicted_accepted": 2.0, "accepted": 3, "k": 4}]
+    calibration = [{"workload": "w", "requests_seen": 0, "bucket": b, "predicted_first": 0.7, "first_accepted": 1.0,
+                    "predicted_accepted": 2.0, "accepted": 3, "k": 4} for b in ("16+", "4-7", "2")]
     result = {"command": "test", "date": "today", "machine": "Machine: test.",
               "config": {"proposer": "ngram", "max_tokens": 16, "runs": 2, "prompts": 2, "train_prompts": 2,
                          "calibration_after": [0], "calibration_window": 5},
@@ -77,6 +94,8 @@ def test_report_renders(tmp_path):
     text = render(result, tmp_path).read_text()
     assert "| w | static:2 | adaptive |" in text and "Mixed batch, B = 16" in text and "| w | 0 | 4-7 | 1 |" in text
     assert "reads 0.970x SD off" in text  # the mixed cell's null control
+    assert text.index("| w | 0 | 2 |") < text.index("| w | 0 | 4-7 |") < text.index("| w | 0 | 16+ |")
+    assert "| w | 0 | 3 | 0.300 | 1.00 | 0.67 |" in text  # the checkpoint's error line
     assert (tmp_path / "coldstart.png").stat().st_size > 1000
 
 

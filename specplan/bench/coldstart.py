@@ -329,7 +329,33 @@ def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, a
             for cell in per_c.values():
                 for key in ("predicted_first", "first_accepted", "predicted_accepted", "accepted"):
                     cell[key] /= cell["steps"]
+    out["calibration_error"] = {w: {c: calibration_error(per_c) for c, per_c in per_w.items()}
+                                for w, per_w in out["calibration"].items()}
     return out
+
+
+def calibration_error(buckets: dict[str, dict]) -> dict:
+    """One checkpoint's buckets in three numbers, each bucket weighted by its drafted steps: the mean
+    |predicted - measured| of the first draft's acceptance and of the accepted drafts per step, and
+    predicted over measured accepted drafts in all (1.0: unbiased; above 1: the planner expects
+    more than it gets). Worked example: buckets with (steps, predicted, measured) drafts (10, 2.0,
+    1.0) and (30, 0.5, 0.7) read |err| (10 * 1.0 + 30 * 0.2) / 40 = 0.4 and ratio (20 + 15) /
+    (10 + 21) = 1.13."""
+    steps = sum(c["steps"] for c in buckets.values())
+    measured = sum(c["steps"] * c["accepted"] for c in buckets.values())
+    return {"steps": steps,
+            "first_abs_error": sum(c["steps"] * abs(c["predicted_first"] - c["first_accepted"])
+                                   for c in buckets.values()) / steps,
+            "drafts_abs_error": sum(c["steps"] * abs(c["predicted_accepted"] - c["accepted"])
+                                    for c in buckets.values()) / steps,
+            "predicted_over_measured": (sum(c["steps"] * c["predicted_accepted"] for c in buckets.values()) / measured
+                                        if measured else None)}
+
+
+def _bucket_order(name: str) -> int:
+    """Match buckets in length order: none, 1, 2, 3, 4-7, 8-15, 16+."""
+    digits = name.split("-")[0].rstrip("+")
+    return int(digits) if digits.isdigit() else -1
 
 
 # ------------------------------------------------------------------------------------ report
@@ -396,12 +422,25 @@ def render(result: dict, out_dir: Path) -> Path:
                   f"A cold planner serving a workload's requests one after another; the {cfg['calibration_window']} "
                   "requests right after the checkpoint's count. First draft: the policy's (calibrated) chance that "
                   "the first draft is accepted vs the share accepted; drafts: expected vs accepted drafts per drafted "
-                  "request-step.", "",
-                  "| workload | after requests | bucket | drafted steps | first draft predicted | measured | "
+                  "request-step.", ""]
+        errors = s.get("calibration_error") or {}  # absent from reports written before it existed
+        if errors:
+            lines += ["Per checkpoint, over its buckets (weighted by drafted steps; `calibration_error`): the mean "
+                      "|predicted - measured| of the first draft's acceptance and of the accepted drafts per "
+                      "step, and the predicted over the measured accepted drafts (1.00: unbiased).", "",
+                      "| workload | after requests | drafted steps | first draft abs error | drafts abs error | "
+                      "predicted / measured drafts |", "|---|---|---|---|---|---|"]
+            for w, per_w in errors.items():
+                for c, e in per_w.items():
+                    ratio = "-" if e["predicted_over_measured"] is None else f"{e['predicted_over_measured']:.2f}"
+                    lines.append(f"| {w} | {c} | {e['steps']} | {e['first_abs_error']:.3f} | "
+                                 f"{e['drafts_abs_error']:.2f} | {ratio} |")
+            lines += ["", "Per bucket:", ""]
+        lines += ["| workload | after requests | bucket | drafted steps | first draft predicted | measured | "
                   "drafts predicted | measured |", "|---|---|---|---|---|---|---|---|"]
         for w, per_w in calib.items():
             for c, per_c in per_w.items():
-                for b, cell in sorted(per_c.items()):
+                for b, cell in sorted(per_c.items(), key=lambda item: _bucket_order(item[0])):
                     lines.append(f"| {w} | {c} | {b} | {cell['steps']} | {cell['predicted_first']:.2f} | "
                                  f"{cell['first_accepted']:.2f} | {cell['predicted_accepted']:.2f} | "
                                  f"{cell['accepted']:.2f} |")
