@@ -371,19 +371,21 @@ def render(result: dict, out_dir: Path) -> Path:
     from specplan.bench.evaluate import NULL_CONTROL
 
     s, cfg = result["summary"], result["config"]
+    cold, timed = s["cold_start"], s["cold_start"] or s.get("mixed")
     lines = ["# Cold start: the planner on traffic it has not seen", "",
              f"Command: `{result['command']}`  ", f"Date: {result['date']}  ", result["machine"], "",
-             f"Proposer {cfg['proposer']}, greedy, {cfg['max_tokens']} output tokens per request, "
-             f"{cfg['runs']} runs (arms interleaved, rotated each run). Cold-start cells: B = 1, one request per "
-             f"process, {cfg['prompts']} prompts per workload; a run's reading of an arm is its tokens over its "
-             f"seconds summed over the prompts (the model load and one short SD-off request before each measured "
-             f"request are not timed). `{WARM}` starts from beliefs saved by one process that served "
-             f"{cfg['train_prompts']} other prompts of the workload. Ratios are paired within a run; the best static "
-             "k is picked on the other runs (evaluate.py `paired_ratios`). Spread: (max - min) / median over runs.",
-             ""]
-    if result.get("busy_machine_note"):
+             f"Proposer {cfg['proposer']}, greedy, {cfg['max_tokens']} output tokens per request."]
+    if timed:
+        lines[-1] += (f" {cfg['runs']} runs (arms interleaved, rotated each run). Cold-start cells: B = 1, one "
+                      f"request per process, {cfg['prompts']} prompts per workload; a run's reading of an arm is its "
+                      "tokens over its seconds summed over the prompts (the model load and one short SD-off request "
+                      f"before each measured request are not timed). `{WARM}` starts from beliefs saved by one "
+                      f"process that served {cfg['train_prompts']} other prompts of the workload. Ratios are paired "
+                      "within a run; the best static k is picked on the other runs (evaluate.py `paired_ratios`). "
+                      "Spread: (max - min) / median over runs.")
+    lines.append("")
+    if result.get("busy_machine_note") and timed:  # calibration alone reads acceptance, not speed
         lines += [f"**{result['busy_machine_note']}**", ""]
-    cold = s["cold_start"]
     if cold:
         arms = list(next(iter(cold.values()))["tok_s_median"])
         lines += ["## Cold start, B = 1", "", "Median tok/s (spread):", "",
