@@ -9,7 +9,7 @@ import torch
 
 from conftest import loaded_from_hf, tiny_hf_model
 from specplan.engine import FixedDecider, NgramProposer
-from specplan.bench.evaluate import _engine, paired_ratios, render_evaluation, run_cell, summarize
+from specplan.bench.evaluate import _engine, paired_ratios, pooled_vs_off, render_evaluation, run_cell, summarize
 
 
 def synthetic_results() -> pd.DataFrame:
@@ -204,6 +204,19 @@ def test_paired_best_static_is_chosen_on_held_out_repeats():
     assert paired_ratios(runs, "goodput")[1] == pytest.approx(12 / 13)
 
 
+def test_pooled_vs_off_worked_example():
+    """The docstring's example, its interval, and the reading in the summary and the report."""
+    import pandas as pd
+
+    idx = pd.MultiIndex.from_tuples([("a", 1, "static:0"), ("a", 1, "goodput"), ("b", 1, "static:0"),
+                                     ("b", 1, "goodput")], names=["workload", "batch_size", "decider"])
+    runs = pd.Series([[10, 20], [11, 18], [10, 10], [10, 12]], index=idx)
+    p = pooled_vs_off(runs, "goodput")
+    assert p["geomean"] == pytest.approx((1.1 * 0.9 * 1.0 * 1.2) ** 0.25) and p["ratios"] == 4
+    assert 0.9 <= p["interval_90"][0] <= p["geomean"] <= p["interval_90"][1] <= 1.2
+    assert pooled_vs_off(runs, "control:off") == {}  # a decider that did not run
+
+
 def test_summary_pairs_repeats_per_cell():
     df = synthetic_results()
     df["goodput_all"] = df["goodput"].apply(lambda g: [g * 1.1, g, g * 0.9])  # one slow spell hits all alike
@@ -335,6 +348,8 @@ def test_summary_and_report_give_geomean_intervals(tmp_path):
     text = render_evaluation(pd.concat([df, top], ignore_index=True), tmp_path, "test").read_text()
     assert f"({'yes' if s['policies']['goodput']['pass_geomean'] else 'no'}; {lo:.3f}-{hi:.3f})" in text
     assert "of resamples)" in text
+    pooled = s["policies"]["goodput"]["pooled_vs_off"]
+    assert pooled["ratios"] == 6 and f"`goodput` {pooled['geomean']:.3f}x off" in text
 
 
 def test_held_out_prompts_avoid_the_evaluation_pool():
