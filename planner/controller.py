@@ -51,8 +51,8 @@ class PlannerConfig:
     drift: DriftConfig = DriftConfig()
     draft_slope: DraftSlopeConfig = DraftSlopeConfig()
     timing: TimingConfig = TimingConfig()
-    # A screen that said "drafts may pay" for a step shape is believed for this many steps
-    # without asking the policy again (0: ask every step). Only a yes is reused: a stale yes costs
+    # A screen that said "drafts may pay" for a step shape is believed for this many following
+    # screens without asking the policy again (0: ask every step). Only a yes is reused: a stale yes costs
     # one ``decide`` that may answer 0 for all, so decisions stay exactly what they would be.
     screen_reuse_steps: int = 8
 
@@ -136,7 +136,10 @@ class Planner:
         self._pools: dict[tuple[str, str, bool, int | None], PooledAcceptance] = {}
         self._requests: dict[int, _Tracked] = {}
         self._step = 0
-        # (decodes, cap, with prefill) -> the last step the screen's latest yes for that shape covers
+        # Screens asked so far, and (decodes, cap, with prefill) -> the last screen that the latest
+        # yes for that shape covers. Counted in screens, not decisions: a step whose lookups find
+        # nothing runs no ``decide``, and a yes must still expire then.
+        self._screens = 0
         self._screen_yes_until: dict[tuple[int, int, bool], int] = {}
         self.last_state: PolicyState | None = None
         self.last_ks: list[int] = []  # the latest decision, aligned with last_state.requests
@@ -231,7 +234,8 @@ class Planner:
         cap = max(0, min(outline.max_k, self.config.max_k))
         n = outline.num_decodes
         shape = (n, cap, outline.num_prefill_seqs > 0)
-        if self._screen_yes_until.get(shape, -1) >= self._step:
+        self._screens += 1
+        if self._screen_yes_until.get(shape, -1) >= self._screens:
             return True
         # The policy reads the requests' number, cap and summed context (the prefill's share of
         # the step), nothing per request: one stand-in, n times (its context rounded down).
@@ -243,7 +247,7 @@ class Planner:
                             workload=self.workload, pricing=self._pricing(n), sla_itl_s=self.sla_itl_s,
                             draft_budget=outline.draft_budget, roofline=self.roofline)
         if may_pay(state):
-            self._screen_yes_until[shape] = self._step + self.config.screen_reuse_steps
+            self._screen_yes_until[shape] = self._screens + self.config.screen_reuse_steps
             return True
         self._step += 1
         self.num_decisions += n

@@ -556,8 +556,9 @@ def test_planner_screens_out_steps_where_no_draft_could_pay():
 
 
 def test_planner_screen_reuses_a_yes_for_a_few_steps_and_never_a_no():
-    """A yes for a step shape is believed for ``screen_reuse_steps`` steps (the policy's search
-    is not rerun where drafts pay, which is where it is pure cost); a no is asked afresh each step."""
+    """A yes for a step shape is believed for the next ``screen_reuse_steps`` screens (the
+    policy's search is not rerun where drafts pay, which is where it is pure cost); a no is asked
+    afresh each step; a yes expires even when no ``decide`` ran between (lookups found nothing)."""
     calls = []
 
     class counting:  # the goodput policy, counting its screens
@@ -578,6 +579,11 @@ def test_planner_screen_reuses_a_yes_for_a_few_steps_and_never_a_no():
     assert len(calls) == 2  # asked at steps 0 and 4; reused at 1-3 and 5-7
     mem.may_speculate(outline_of(view(8)))  # another shape is asked for itself
     assert calls[-1] == 8 and len(calls) == 3
+    calls.clear()
+    idle = Planner(counting(make_policy("goodput")), FLAT, config=PlannerConfig(screen_reuse_steps=3))
+    for _ in range(8):  # screened, but nothing found to decide on
+        idle.may_speculate(outline_of(view(4)))
+    assert len(calls) == 2
     calls.clear()
     busy = Planner(counting(make_policy("goodput")), COMPUTE_BOUND, config=PlannerConfig(screen_reuse_steps=3))
     assert [busy.may_speculate(outline_of(view(32))) for _ in range(4)] == [False] * 4 and len(calls) == 4
