@@ -74,6 +74,9 @@ class StepRecord:
     forward_s: float
     verify_s: float
     total_s: float
+    # Draft-model (head) passes the step's proposal ran (DraftTokens.passes); None: no draft model
+    # ran or the proposer does not say (a lookup).
+    draft_passes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,10 @@ class DraftTokens:
     # without one (lookup drafts). A planner may stop drafting where it falls (issue #33).
     confidence: list[list[float]] | None = None
     seconds: float = 0.0  # wall time spent proposing
+    # Forward passes of a draft model (or head) run for this proposal, the catch-up included; None
+    # for lookups (no pass). Under a confidence stop the pass that finds a draft not worth it is
+    # run and its draft dropped, so passes may exceed the deepest draft.
+    passes: int | None = None
 
     def num_drafts(self, i: int) -> int:
         if self.trees is not None and self.trees[i] is not None:
@@ -80,4 +84,4 @@ class DraftTokens:
             [None if t is None else t.prefix(ki) for t, ki in zip(self.trees, k, strict=True)],
             natural_k=self.natural_k, match_length=self.match_length,
             confidence=None if self.confidence is None else
-            [c[:ki] for c, ki in zip(self.confidence, k, strict=True)], seconds=self.seconds)
+            [c[:ki] for c, ki in zip(self.confidence, k, strict=True)], seconds=self.seconds, passes=self.passes)

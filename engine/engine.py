@@ -345,7 +345,8 @@ class LLMEngine:
             requests=tuple(reqs), num_seqs=len(step.work), num_tokens=step.num_tokens,
             num_prefill_tokens=sum(len(w.token_ids) for i, w in enumerate(step.work) if i not in is_decode),
             context_tokens=sum(w.start_position + len(w.token_ids) for w in step.work),
-            propose_s=step.propose_s, forward_s=step.forward_s, verify_s=step.verify_s, total_s=step.total_s)
+            propose_s=step.propose_s, forward_s=step.forward_s, verify_s=step.verify_s, total_s=step.total_s,
+            draft_passes=drafts.passes if drafts is not None else None)
         self.last_step = record
         self.stats.add(record)
         for r, i in zip(reqs, step.decodes):

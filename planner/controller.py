@@ -115,6 +115,7 @@ class Planner:
         # None: the policy sees each request's posterior as is (planner/calibration.py).
         self.calibration = AcceptanceCalibration(config.calibration) if config.calibration is not None else None
         self._chosen_gains: dict[int, tuple[float, ...]] = {}  # seq_id -> last decided draft gains, uncalibrated
+        self._model_drafted: set[int] = set()  # seq_ids given drafts by a draft model (not a lookup) last decision
         self.confidence = ConfidenceCalibration(config.confidence) if config.confidence is not None else None
         self.draft_stop: ConfidenceStop | None = None  # the engine's StopsDrafts: the latest decision's rule
         self.roofline = roofline
@@ -254,6 +255,7 @@ class Planner:
         self.num_zero_decisions += n
         self.draft_stop = None
         self._chosen_gains = {}
+        self._model_drafted = set()
         self.last_state, self.last_ks = state, [0] * n
         return False
 
@@ -275,7 +277,7 @@ class Planner:
                 estimate = self.calibration.apply(estimate)
             reqs.append(RequestState(rv.seq_id, rv.request_id, max(0, min(rv.max_k, planner_cap)), rv.num_tokens,
                                      estimate, t.last_outcome, acc.steps_observed, rv.greedy,
-                                     pool_evidence=acc.pool.evidence))
+                                     pool_evidence=acc.pool.evidence, looked_up=rv.available_drafts is not None))
         num_decodes = len(reqs)
         base = StepShape(num_decodes + view.num_prefill_seqs, num_decodes + view.num_prefill_tokens,
                          view.context_tokens)
@@ -288,8 +290,9 @@ class Planner:
         ks = [max(0, min(int(k), r.max_k)) for k, r in zip(ks, reqs)]
         self.draft_stop = None
         if (self.confidence is not None and getattr(self.policy, "stops_on_confidence", False)
-                and proposer not in LOOKUP_PROPOSERS and any(ks)):
+                and proposer not in LOOKUP_PROPOSERS and any(k and not r.looked_up for k, r in zip(ks, reqs))):
             ks, self.draft_stop = self._confident_drafts(state, ks)
+        self._model_drafted = {r.seq_id for r, k in zip(reqs, ks) if k and not r.looked_up}
         if self.calibration is not None:
             self._chosen_gains = {r.seq_id: e.gains for r, e, k in zip(reqs, raw_estimates, ks) if k}
         self.last_state, self.last_ks = state, ks
@@ -300,14 +303,15 @@ class Planner:
         return ks
 
     def _confident_drafts(self, state: PolicyState, ks: list[int]) -> tuple[list[int], ConfidenceStop]:
-        """With drafts chosen for a model proposer: each drafting request may draft up to its cap,
-        and stops at the first draft whose chance of being emitted (the head's calibrated
+        """With drafts chosen for a model proposer: each request it drafts for may draft up to its
+        cap, and stops at the first draft whose chance of being emitted (the head's calibrated
         confidence, times the drafts' before it) is below what one more query token costs in this
-        step (``marginal_token_price``). Without room under the SLA or the step's draft budget for
-        the deeper drafts, the chosen k stay the caps."""
+        step (``marginal_token_price``). Lookup-served requests (a chain's) keep the chosen k: their
+        drafts are all verified, none is stopped. Without room under the SLA or the step's draft
+        budget for the deeper drafts, the chosen k stay as they are."""
         cost = state.cost_model()
         price = marginal_token_price([r.acceptance for r in state.requests], ks, cost)
-        deeper = [r.max_k if k else 0 for r, k in zip(state.requests, ks)]
+        deeper = [r.max_k if k and not r.looked_up else k for r, k in zip(state.requests, ks)]
         fits = ((state.sla_itl_s is None or cost.seconds(deeper) <= state.sla_itl_s)
                 and (state.draft_budget is None or sum(deeper) <= state.draft_budget))
         return (deeper if fits else ks), self.confidence.stop(price)
@@ -315,7 +319,7 @@ class Planner:
     def observe(self, record: StepRecord) -> None:
         proposer = self.proposer or (self.last_state.proposer if self.last_state is not None else "unknown")
         touched = set()
-        total_drafts = deepest = 0
+        total_drafts = deepest = 0  # deepest: model-drafted requests only (a lookup runs no pass)
         for rr in record.requests:
             t = self._tracked(rr.seq_id, rr.request_id, proposer)
             acc = self.acceptance(t, rr.match_length)
@@ -333,13 +337,16 @@ class Planner:
                     self.calibration.observe(sum(gains[:k]), rr.num_accepted)
                 t.last_outcome = Outcome(k, rr.num_proposed, rr.num_accepted)
                 total_drafts += k
-                deepest = max(deepest, k)
+                if rr.seq_id in self._model_drafted:
+                    deepest = max(deepest, k)
         for p in touched:
             p.refresh()
         if self.latency is not None:
             self._observe_step_time(record, sum(rr.num_proposed for rr in record.requests))
         if self.config.learn_timing:
-            self._timing_for(proposer).observe(record.total_s - record.forward_s - record.verify_s, total_drafts, deepest)
+            passes = getattr(record, "draft_passes", None)  # what ran, where the engine says (a stop's last pass too)
+            self._timing_for(proposer).observe(record.total_s - record.forward_s - record.verify_s, total_drafts,
+                                               deepest if passes is None else passes)
 
     def _observe_step_time(self, record: StepRecord, drafts: int) -> None:
         """Closed loop on step time: the drift factor from every step, the drafts' slope from

@@ -73,6 +73,17 @@ class StepCostModel:
     # Seconds of the base step that are not its decodes' (prefill chunks scheduled beside them):
     # paid whatever k is, and not charged to the decodes' goodput (``charged_seconds``).
     shared_s: float = 0.0
+    # Per request, whether its drafts come from draft-model passes (None: all of them do). A draft
+    # model runs one pass per position up to the deepest such request; lookup drafts (a chain's
+    # n-gram share) run none, so a request served by a 1-token lookup with 8 drafts does not make
+    # the head run 8 passes for the others.
+    model_drafted: tuple[bool, ...] | None = None
+
+    def passes(self, ks: Sequence[int]) -> int:
+        """Draft-model passes a step with these drafts runs: the deepest model-drafted k."""
+        if self.model_drafted is None:
+            return max(ks, default=0)
+        return max((k for k, m in zip(ks, self.model_drafted) if m), default=0)
 
     @cached_property
     def base_seconds(self) -> float:
@@ -92,8 +103,7 @@ class StepCostModel:
     def seconds(self, ks: Sequence[int]) -> float:
         """The whole step's seconds (what an ITL SLA bounds)."""
         total = sum(ks)
-        return (self.target_seconds(total) + self.draft_cost.seconds(total, max(ks, default=0))
-                + self.overhead_s)
+        return self.target_seconds(total) + self.draft_cost.seconds(total, self.passes(ks)) + self.overhead_s
 
     def charged_seconds(self, ks: Sequence[int]) -> float:
         """The seconds the step's decodes are charged: all but the prefill chunks' share. Goodput
@@ -116,10 +126,12 @@ def step_goodput(estimates: Sequence[AcceptanceEstimate], ks: Sequence[int], cos
 def marginal_token_price(estimates: Sequence[AcceptanceEstimate], ks: Sequence[int], cost: StepCostModel) -> float:
     """The expected tokens one more draft must add to pay for itself in the step that gives
     request i ks[i] drafts: the step's goodput times the charged seconds that draft adds, placed
-    on the deepest request (so a draft model's extra pass is counted). A draft whose chance of
-    being emitted is below this lowers the step's goodput."""
+    on the deepest model-drafted request (so a draft model's extra pass is counted; on the deepest
+    request of all when none is). A draft whose chance of being emitted is below this lowers the
+    step's goodput."""
     if not ks:
         return 0.0
+    drafted = cost.model_drafted if cost.model_drafted is not None and any(cost.model_drafted) else (True,) * len(ks)
     deeper = list(ks)
-    deeper[max(range(len(ks)), key=ks.__getitem__)] += 1
+    deeper[max((i for i in range(len(ks)) if drafted[i]), key=ks.__getitem__)] += 1
     return step_goodput(estimates, ks, cost) * max(0.0, cost.charged_seconds(deeper) - cost.charged_seconds(ks))

@@ -41,6 +41,9 @@ class RequestState:
     # Request-steps of evidence (discounted) behind the pooled belief a request without evidence of
     # its own starts from: 0 while every estimate of its proposer and workload is the prior.
     pool_evidence: float = float("inf")
+    # Its drafts were found by a lookup before the decision (n-gram, suffix, a chain's lookup):
+    # they cost no pass of a draft model, so they do not deepen the step's draft passes.
+    looked_up: bool = False
 
 
 @runtime_checkable
@@ -104,7 +107,12 @@ class PolicyState:
             raise ValueError("this policy needs a latency model (a profile); none was given to the planner")
         slope = pricing.draft_slope if draft_slope is None else draft_slope
         return StepCostModel(pricing.latency, self.base, pricing.draft_cost, pricing.overhead_s, slope,
-                             pricing.draft_jump, shared_s=self._prefill_seconds())
+                             pricing.draft_jump, shared_s=self._prefill_seconds(), model_drafted=self.model_drafted)
+
+    @property
+    def model_drafted(self) -> tuple[bool, ...]:
+        """Per request: whether its drafts take draft-model passes (not found by a lookup)."""
+        return tuple(not r.looked_up for r in self.requests)
 
     def _prefill_seconds(self) -> float:
         """The base step's time beyond what its decodes alone would take (0 without prefill chunks)."""

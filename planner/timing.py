@@ -4,9 +4,10 @@ The latency model covers forward + verify. Goodput's denominator is the whole st
 rest from each ``StepRecord``: ``rest = total_s - forward_s - verify_s`` (scheduling, the decider,
 drafting, appending tokens). Model it as
 
-    rest = overhead + per_pass * deepest_k + per_token * total_drafts
+    rest = overhead + per_pass * passes + per_token * total_drafts
 
-and fit the three coefficients by discounted least squares, regularised toward the prior draft
+(passes: the draft model's forward passes, as the engine reports them, else the deepest k drafted
+by a model; a lookup runs none) and fit the three coefficients by discounted least squares, regularised toward the prior draft
 cost (the profile's), so steps without drafts pin the overhead, and a draft model's per-pass cost
 emerges from steps with different depths. Coefficients are kept >= 0.
 """
@@ -75,11 +76,11 @@ class StepTimingLearner:
         self.draft_cost = prior
         self._recent: list[float] = []  # the latest steps' residuals against the fit, raw (``_robust``)
 
-    def observe(self, rest_s: float, total_drafts: int, deepest_k: int) -> None:
+    def observe(self, rest_s: float, total_drafts: int, passes: int) -> None:
         if not rest_s >= 0.0:  # negative or NaN: clocks disagree; skip
             return
         d = self.config.discount
-        x = (1.0, float(deepest_k) if self.fit_per_pass else 0.0, float(total_drafts))
+        x = (1.0, float(passes) if self.fit_per_pass else 0.0, float(total_drafts))
         rest_s = self._robust(rest_s, x)
         for i in range(3):
             self._xty[i] = self._xty[i] * d + x[i] * rest_s

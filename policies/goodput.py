@@ -228,7 +228,13 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     draft = cost.draft_cost
     # A draft model pays one pass per position up to the deepest k, a cost that does not split
     # across requests; so try each depth cap D (drafts at positions <= D only) and keep the best.
-    depth_caps = range(1, deepest + 1) if draft.per_pass_s > 0.0 else (deepest,)
+    # Lookup drafts run no pass (StepCostModel.model_drafted): a depth cap leaves them whole.
+    drafted = cost.model_drafted or (True,) * num
+    model_deepest = max((len(g) for g, m in zip(gains, drafted) if m), default=0)
+    # Depth 0 (lookup drafts only) is a candidate of its own where both sources are in the step.
+    looked_up = any(g and not m for g, m in zip(gains, drafted))
+    depth_caps = (range(0 if looked_up else 1, model_deepest + 1) if draft.per_pass_s > 0.0 and model_deepest
+                  else (model_deepest,))
     best_n, best_g, best_s, chosen = 0, floor, off_s, []
     # All gains in one flat list, request i's at [i * deepest, i * deepest + caps[i]), padded with
     # -1 (gains are >= 0, so padding sorts last and is cut off); sorting indices by a C-level key
@@ -239,7 +245,8 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     full = sorted(range(len(flat)), key=flat.__getitem__, reverse=True)[:sum(map(len, gains))]
     limit = len(full) if max_total_drafts is None else max(0, max_total_drafts)
     for depth in depth_caps:
-        order = (full if depth == deepest else [x for x in full if x % deepest < depth])[:limit]
+        order = (full if depth >= model_deepest else
+                 [x for x in full if x % deepest < depth or not drafted[x // deepest]])[:limit]
         cum = list(accumulate(map(flat.__getitem__, order), initial=0.0))
         n, g, t = _best_total(cum, num, _StepSeconds(target_s, fixed, draft, depth), sla_s, best_g, assume_monotone)
         if n and g > best_g:

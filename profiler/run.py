@@ -3,7 +3,7 @@
 Steps: (1) the roofline ceilings; (2) a grid of real engine steps over batch size B, tokens per
 sequence T = 1 + k and context length, median of repeats after warm-up (the T values of one
 batch taken round-robin); (3) drafting cost per
-proposer; (4) the fit, with its error on held-out cells next to the pure roofline's error;
+proposer (a draft model's or EAGLE head's pass per B: the chain prices its head share with it); (4) the fit, with its error on held-out cells next to the pure roofline's error;
 (5) the Profile JSON, the raw grid as parquet and a Markdown report with plots.
 """
 
@@ -13,6 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 import torch
@@ -20,6 +21,7 @@ from rich.progress import Progress
 
 from specplan.engine.model.loader import LoadedModel, cache_root, load_model
 from specplan.engine.model_runner import ModelRunner, ScheduledSeq
+from specplan.engine.proposers.factory import HEAD_PROPOSERS
 
 from .ceilings import Ceilings, measure_ceilings
 from .cost_model import decode_step_cost, layer_costs, step_costs, weight_bytes
@@ -48,11 +50,13 @@ class GridSpec:
 
 def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8, progress: bool = True
                  ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Step times over the grid, and the layer-skip draft's per-round time at each B."""
+    """Step times over the grid, and the per-round time at each B of the layer-skip draft and
+    (column ``head_seconds``, when one ships for the model) of the EAGLE-3 head."""
     engine = timing_engine(loaded, max(spec.batch_sizes), max(spec.tokens_per_seq), max(spec.contexts))
     timer = StepTimer(engine)
     draft = ModelRunner(engine.model.truncated(layer_skip_layers),
                         engine.runner.kv_cache[:layer_skip_layers], engine.block_manager.block_size)
+    head_round = head_pass_timer(engine)
     rows, drafts = [], []
     cells = len(spec.batch_sizes) * len(spec.contexts) * len(spec.tokens_per_seq)
     with Progress(disable=not progress) as bar:
@@ -90,8 +94,12 @@ def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8
                                  "total_seconds": _drift_free(totals, narrowest_totals),
                                  "all_seconds": secs})
                     bar.advance(task)
-                drafts.append({"batch_size": b, "context": ctx,
-                               "seconds": _time_draft_round(draft, engine, spec.repeats)})
+                round_ = {"batch_size": b, "context": ctx, "seconds": _time_rounds(
+                    lambda items: draft.execute(draft.build_batch(items, engine.block_manager)).argmax(dim=-1),
+                    engine, spec.repeats)}
+                if head_round is not None:
+                    round_["head_seconds"] = _time_rounds(head_round, engine, spec.repeats)
+                drafts.append(round_)
     timer.clear()
     return pd.DataFrame(rows), pd.DataFrame(drafts)
 
@@ -107,17 +115,63 @@ def _drift_free(seconds: list[float], narrowest: list[float]) -> float:
     return statistics.median(narrowest) * statistics.median(ratios)
 
 
-def _time_draft_round(draft: ModelRunner, engine, repeats: int) -> float:
-    """One layer-skip draft forward over the running sequences (1 token each)."""
+def _time_rounds(run_round: Callable[[list[ScheduledSeq]], object], engine, repeats: int) -> float:
+    """Median seconds of ``run_round`` (one draft pass: batch building, forward, the pick) over
+    the running sequences, 1 token each, after one warm-up."""
     seqs = list(engine.scheduler.running)
     items = [ScheduledSeq(s, [s.token_ids[-1]], s.num_tokens - 1, 1) for s in seqs]
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        batch = draft.build_batch(items, engine.block_manager)
-        draft.execute(batch).argmax(dim=-1)
+        run_round(items)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
+
+
+def head_pass_timer(engine, head_dir: str | Path | None = None) -> Callable[[list[ScheduledSeq]], object] | None:
+    """One pass of an EAGLE-3 head (``head_dir``; None: the one shipped for the engine's model, and
+    None back when none ships): what each draft position of ``--proposer eagle`` or ``chain``
+    costs besides verifying. The features are random (a pass costs the same whatever it reads);
+    its K/V goes to a cache of its own."""
+    from specplan.engine.model_runner import allocate_kv_cache, layer_caches
+    from specplan.engine.proposers.eagle import EagleHead, HeadError
+
+    try:
+        head = EagleHead.load(head_dir, engine.model)
+    except HeadError:
+        if head_dir is not None:
+            raise
+        return None
+    bm = engine.block_manager
+    kv = layer_caches(allocate_kv_cache(head.kv_config, bm.num_blocks, bm.block_size, head.dtype, head.device))[0]
+    features = torch.randn(max(engine.scheduler.config.max_num_seqs, 1), engine.model.config.hidden_size,
+                           generator=torch.Generator().manual_seed(0)).to(head.device, head.dtype)  # [B, H]
+
+    def run_round(items: list[ScheduledSeq]) -> object:
+        batch = engine.runner.build_batch(items, bm)
+        normed, _ = head.forward(batch, features[:len(items)], kv, bm.block_size)  # [B, H]
+        return head.draft_logits(normed).softmax(dim=-1).max(dim=-1)
+
+    return run_round
+
+
+def measure_head_cost(loaded: LoadedModel, batch_sizes=(1, 2, 4, 8, 16, 32), context: int = 256,
+                      repeats: int = 7, head_dir: str | Path | None = None) -> DraftCost | None:
+    """A head's ``DraftCost`` alone (a + b x B per pass), for a profile measured before the
+    profiler timed heads; None when no head ships for the model (and none is given). Under a
+    minute here, most of it filling the batches' prompts."""
+    engine = timing_engine(loaded, max(batch_sizes), 2, context)
+    run_round = head_pass_timer(engine, head_dir)
+    if run_round is None:
+        return None
+    timer = StepTimer(engine)
+    rows = []
+    for b in batch_sizes:
+        timer.fill(b, context)
+        timer.time_steps(2, repeats=1)  # as in the grid: the next position's slot is reserved
+        rows.append({"batch_size": b, "seconds": _time_rounds(run_round, engine, repeats)})
+    timer.clear()
+    return _fit_draft_rounds(pd.DataFrame(rows))
 
 
 def _measure_cheap_proposers(repeats: int = 200) -> dict[str, DraftCost]:
@@ -143,12 +197,13 @@ def _measure_cheap_proposers(repeats: int = 200) -> dict[str, DraftCost]:
     return costs
 
 
-def _fit_draft_rounds(drafts: pd.DataFrame) -> DraftCost:
-    """Layer-skip: a draft round costs a + b * B; per_token_s is b (per sequence, per round)."""
+def _fit_draft_rounds(drafts: pd.DataFrame, column: str = "seconds") -> DraftCost:
+    """A draft model's round (layer-skip, a head) costs a + b * B; per_token_s is b (per
+    sequence, per round)."""
     import numpy as np
 
     b = drafts["batch_size"].to_numpy(dtype=float)
-    s = drafts["seconds"].to_numpy(dtype=float)
+    s = drafts[column].to_numpy(dtype=float)
     slope, intercept = np.polyfit(b, s, 1) if len(set(b)) > 1 else (0.0, float(s.mean()))
     return DraftCost(per_pass_s=max(float(intercept), 0.0), per_token_s=max(float(slope), 0.0))
 
@@ -173,6 +228,8 @@ def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, d
     costs = dict(draft_costs)
     if drafts is not None:
         costs["layer-skip"] = _fit_draft_rounds(drafts)
+        if "head_seconds" in drafts:
+            costs.update(dict.fromkeys(HEAD_PROPOSERS, _fit_draft_rounds(drafts, "head_seconds")))
     return Profile(
         fingerprint=fingerprint_override or fingerprint(cfg, dtype, device),
         ceilings=CeilingsModel(peak_flops=ceilings.peak_flops, bandwidth=ceilings.bandwidth, ridge=ceilings.ridge),
@@ -229,5 +286,5 @@ def default_beliefs_path(fp) -> Path:
     return profile.with_name(profile.stem + ".beliefs.json")
 
 
-__all__ = ["GridSpec", "measure_grid", "build_profile", "run_profile", "default_profile_path", "default_beliefs_path",
+__all__ = ["GridSpec", "measure_grid", "measure_head_cost", "build_profile", "run_profile", "default_profile_path", "default_beliefs_path",
            "step_costs"]

@@ -5,7 +5,8 @@ earlier runs saved beside it (planner/beliefs.py), and save them again."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable
 
 import torch
 import typer
@@ -16,8 +17,10 @@ from specplan.profiler.run import default_beliefs_path, default_profile_path, pr
 
 
 def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: torch.dtype = torch.float32,
-                         device: str = "cpu") -> Profile:
+                         device: str = "cpu", proposers: Iterable[str] = ()) -> Profile:
     """The given profile (must match), else the cached one for this fingerprint, else a fresh quick one.
+    ``proposers``: the ones about to run; a draft head's pass cost missing from the profile (one
+    measured before the profiler timed heads) is measured now and, in the cached profile, kept.
 
     Raises ProfileError (one line) for a missing, corrupted or mismatched --profile file.
     """
@@ -26,6 +29,7 @@ def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: t
         profile = Profile.load(profile_path)
         for warning in check_matches(profile, current, profile_path):
             typer.secho(f"warning: {warning}", err=True, fg=typer.colors.YELLOW)
+        _add_head_cost(profile, loaded, proposers, save_to=None)
         return profile
     cached = default_profile_path(current)
     if cached.exists():
@@ -36,6 +40,7 @@ def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: t
                 raise ProfileError(f"profile {cached} was measured by an older profiler "
                                    f"(method {profile.version}, now {PROFILE_VERSION})")
             typer.secho(f"[using profile {cached}]", err=True, fg=typer.colors.BRIGHT_BLACK)
+            _add_head_cost(profile, loaded, proposers, save_to=cached)
             return profile
         except ProfileError as e:
             typer.secho(f"warning: {e}; making a fresh one", err=True, fg=typer.colors.YELLOW)
@@ -45,6 +50,24 @@ def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: t
     profile, path, report = run_profile(loaded=loaded, quick=True, report_dir=profile_cache_dir())
     typer.secho(f"[profile written to {path}; report {report}]", err=True, fg=typer.colors.BRIGHT_BLACK)
     return profile
+
+
+def _add_head_cost(profile: Profile, loaded: LoadedModel, proposers: Iterable[str], save_to: Path | None) -> None:
+    """Time the shipped head's pass into ``profile`` if a head proposer is about to run without it."""
+    from specplan.engine.proposers.factory import HEAD_PROPOSERS
+    from specplan.profiler.run import measure_head_cost
+
+    missing = [p for p in HEAD_PROPOSERS if p in set(proposers) and p not in profile.draft_costs]
+    if not missing:
+        return
+    typer.secho("[the profile has no draft-head pass cost yet: timing the head (under a minute)]", err=True,
+                fg=typer.colors.BRIGHT_BLACK)
+    cost = measure_head_cost(loaded)
+    if cost is None:  # no head ships for this model: a --draft-head one is learned online
+        return
+    profile.draft_costs.update(dict.fromkeys(HEAD_PROPOSERS, cost))
+    if save_to is not None:
+        profile.save(save_to)
 
 
 def _warn(message: str) -> None:
@@ -71,7 +94,7 @@ def make_planner(loaded: LoadedModel, *, proposer: str, policy: str | None, prof
     from specplan.policies import make_policy
 
     rule = make_policy(policy or "goodput")  # ValueError for a bad name before a profile is measured
-    profile = load_or_make_profile(loaded, profile_path)
+    profile = load_or_make_profile(loaded, profile_path, proposers=(proposer,))
     planner = planner_from_profile(profile, rule, proposer=proposer, max_k=max_k,
                                    sla_itl_s=sla_itl_ms / 1000 if sla_itl_ms is not None else None)
     store = belief_store(loaded, profile) if beliefs else None

@@ -516,7 +516,7 @@ def evaluate_cmd(
     from specplan.bench.evaluate import evaluate, render_evaluation
 
     loaded = load_model(model, quantize=quantize)
-    prof = load_or_make_profile(loaded, profile)
+    prof = load_or_make_profile(loaded, profile, proposers=proposer_names)
     store = belief_store(loaded, prof) if beliefs else None  # read only: the evaluation saves nothing
     if store is not None and store.document() is not None:
         typer.secho(f"[every planner starts from the beliefs in {store.path}; --no-beliefs for cold ones]",

@@ -137,6 +137,34 @@ def test_mixed_k_with_zero_steps_and_preemption_is_lossless(model, head_dir):
     assert llm.engine.stats.num_accepted_tokens > 0
 
 
+def test_prompts_fed_to_the_head_in_their_prefill_step_draft_as_a_whole_prompt_does(model, head_dir):
+    """The head is fed a prompt's positions in the step that computes them (``observe_target``),
+    chunk by chunk: after a prefill in chunks of 8 tokens its first drafts are those after a
+    one-chunk prefill, and its cache already reaches the prompt's last position but one (the
+    first proposal runs a one-position catch-up, not one over the prompt)."""
+    prompt = [random.Random(4).randrange(96) for _ in range(37)]
+    drafted = []
+    for budget in (4096, 8):
+        llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(head_dir)},
+                       max_num_batched_tokens=budget)
+        engine = llm.engine
+        engine.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0))
+        seq = engine._by_request["r"][0]
+        steps = 0
+        while seq.num_computed_tokens < len(prompt):
+            engine.step()
+            steps += 1
+        assert steps == (1 if budget > len(prompt) else math.ceil(len(prompt) / budget))
+        proposer = engine.speculator.proposer
+        assert proposer._fed[seq.seq_id][0] == len(prompt) - 1
+        assert engine.block_manager.ensure_capacity(seq, seq.num_computed_tokens + 4)
+        d = proposer.propose([seq], [3])
+        drafted.append((d.token_ids[0], d.confidence[0]))
+    (tokens_whole, conf_whole), (tokens_chunked, conf_chunked) = drafted
+    assert tokens_whole == tokens_chunked and len(tokens_whole) == 3
+    assert conf_whole == pytest.approx(conf_chunked, rel=1e-9)
+
+
 def test_drafts_carry_the_heads_confidence(model, head_dir):
     llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(head_dir)})
     engine = llm.engine
@@ -431,3 +459,14 @@ def test_q8_0_head_weights_draft_about_what_fp32_ones_do(model, head_dir):
     assert abs(confidences["fp32"] - confidences["q8_0"]) < 0.05
     with pytest.raises(ValueError, match="draft_head_weights"):
         tiny_llm(model, speculative_config={"proposer": "eagle", "draft_head": str(head_dir), "draft_head_weights": "q4"})
+
+
+def test_the_profiler_times_a_head_pass_per_batch_size(model, head_dir):
+    """``measure_head_cost``: the head's pass timed over the running sequences at each B and fitted
+    a + b x B (what the planner prices a draft position of eagle and chain with)."""
+    from specplan.profiler.run import measure_head_cost
+
+    loaded = loaded_from_hf(model)
+    cost = measure_head_cost(loaded, batch_sizes=(1, 4), context=16, repeats=2, head_dir=head_dir)
+    assert cost is not None and cost.per_pass_s + cost.per_token_s * 4 > 0
+    assert measure_head_cost(loaded, batch_sizes=(1,), context=16, repeats=1) is None  # none ships for it

@@ -53,10 +53,11 @@ def est(alpha: float, max_k: int = 8, p_len_ge: tuple[float, ...] | None = None)
 
 
 def cost_for(latency, num_requests: int, *, prefill_tokens: int = 0, context: int = 100,
-             draft: DraftCost = DraftCost(), overhead: float = 0.0) -> StepCostModel:
+             draft: DraftCost = DraftCost(), overhead: float = 0.0,
+             model_drafted: tuple[bool, ...] | None = None) -> StepCostModel:
     base = StepShape(num_requests + (1 if prefill_tokens else 0), num_requests + prefill_tokens,
                      context * num_requests)
-    return StepCostModel(latency, base, draft, overhead)
+    return StepCostModel(latency, base, draft, overhead, model_drafted=model_drafted)
 
 
 def brute_force(estimates, caps, cost, sla=None, budget=None) -> float:
@@ -218,7 +219,10 @@ def test_allocation_matches_brute_force(seed):
     ])
     draft = rng.choice([DraftCost(), DraftCost(per_pass_s=rng.uniform(0.001, 0.02)),
                         DraftCost(per_pass_s=0.005, per_token_s=0.001)])
-    cost = cost_for(latency, n, context=rng.randint(0, 500), draft=draft, overhead=rng.choice([0.0, 0.004]))
+    # Some requests' drafts may come from a lookup (a chain's), which runs no draft pass.
+    drafted = rng.choice([None, tuple(rng.random() < 0.5 for _ in range(n))])
+    cost = cost_for(latency, n, context=rng.randint(0, 500), draft=draft, overhead=rng.choice([0.0, 0.004]),
+                    model_drafted=drafted)
     sla = rng.choice([None, cost.seconds([0] * n) * rng.uniform(1.0, 2.0)])
     budget = rng.choice([None, None, 0, 1, 3])  # the engine's token budget left for drafts
     # Branch and bound is exact for monotone step times; the exhaustive scan for any.
@@ -333,6 +337,59 @@ def test_draft_model_pass_cost_prefers_shallow_wide_drafts():
     assert alloc.goodput == pytest.approx(brute_force(estimates, [5] * 3, cost))
     assert len(set(alloc.ks)) == 1  # equal requests, a shared pass cost: the same depth for all
     assert 0 < alloc.ks[0] < 5  # the last passes cost more than they bring
+
+
+def test_lookup_drafts_run_no_draft_pass():
+    """A chain step: request 0 is served by its lookup (8 drafts, no head pass), request 1 by the
+    head. The step runs as many head passes as request 1's k, not 8."""
+    draft = DraftCost(per_pass_s=0.01)
+    cost = cost_for(FLAT, 2, draft=draft, model_drafted=(False, True))
+    assert cost.passes([8, 1]) == 1 and cost.passes([8, 0]) == 0
+    assert cost.seconds([8, 1]) - cost.seconds([8, 0]) == pytest.approx(0.01 + cost.target_seconds(9) - cost.target_seconds(8))
+    # Allocation: a deep lookup draft never buys the head request passes it did not ask for.
+    estimates = [est(0.9), est(0.3)]
+    chain = allocate(estimates, [8, 8], cost)
+    assert chain.ks[0] == 8 and chain.goodput == pytest.approx(brute_force(estimates, [8, 8], cost))
+    head_only = allocate(estimates, [8, 8], cost_for(FLAT, 2, draft=draft))
+    assert chain.goodput > head_only.goodput  # priced as passes, the lookup's 8 drafts cost 80 ms
+
+
+def test_a_chain_keeps_the_lookups_k_under_the_confidence_stop():
+    """Under the confidence stop the head's requests draft to their cap (the stop cuts them); a
+    request its lookup serves keeps the k the allocation gave it: nothing stops a lookup draft,
+    and a 1-token match's 8 drafts would all be verified."""
+    planner = Planner(make_policy("goodput"), FLAT, proposer="chain", draft_cost=DraftCost(per_pass_s=0.001))
+    planner.observe(record([0, 0], [0.0, 0.0], random.Random(0)))  # a plain step: the drafts' baseline
+    rng = random.Random(1)
+    for step in range(40):  # earlier requests: a 1-token match's 8 drafts, the first accepted a third of the time
+        seq = 100 + step
+        planner.decide(StepView((RequestView(seq, f"old{step}", 500, 10, 8, True, available_drafts=8, match_length=1),),
+                                0, 0, 500, "chain"))
+        acc = 1 if rng.random() < 0.3 else 0
+        planner.observe(StepRecord((RequestRecord(seq, f"old{step}", 8, 8, acc, acc + 1, match_length=1),),
+                                   1, 9, 0, 508, 0.0, 0.03, 0.0, 0.031))
+    looked_up = RequestView(0, "r0", 500, 10, 8, True, available_drafts=8, match_length=1)
+    by_head = RequestView(1, "r1", 500, 10, 8, True)
+    ks = planner.decide(StepView((looked_up, by_head), 0, 0, 1000, "chain"))
+    assert ks[1] == 8 and planner.draft_stop is not None  # the head drafts until the stop says no
+    assert 1 <= ks[0] < 8, ks  # the lookup request: what the allocation chose for its beliefs
+
+
+def test_timing_learns_the_head_pass_from_the_passes_the_engine_reports():
+    """A confidence stop runs one pass more than it keeps drafts (the pass that found the draft
+    not worth it). Fitted on the deepest kept draft, a 2 ms pass read as 4 ms when one draft was
+    kept of two passes; fitted on the passes the engine reports, it reads 2 ms."""
+    planner = Planner(make_policy("goodput"), FLAT, proposer="eagle", draft_cost=DraftCost(per_pass_s=0.002))
+    rng = random.Random(3)
+    for step in range(60):
+        kept = rng.choice([0, 1, 2, 3])
+        passes = kept + 1  # every proposal here ends in a stopped pass
+        rest = 0.001 + 0.002 * passes
+        rr = RequestRecord(0, "r0", 8, kept, 0, 1, confidence=(0.5,) * kept, stop_rule=True)
+        planner.decide(StepView((RequestView(0, "r0", 500, 10, 8, True),), 0, 0, 500, "eagle"))
+        planner.observe(StepRecord((rr,), 1, 1 + kept, 0, 500, 0.0, 0.03, 0.0, 0.03 + rest, draft_passes=passes))
+    assert planner.draft_cost.per_pass_s == pytest.approx(0.002, rel=0.1)
+    assert planner.overhead_s == pytest.approx(0.001, abs=3e-4)
 
 
 # ---------------------------------------------------------------------------- acceptance

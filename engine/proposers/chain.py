@@ -71,7 +71,7 @@ class ChainProposer:
                              else None)
         return DraftTokens(token_ids=tokens, draft_probs=probs if any(p is not None for p in probs) else None,
                            natural_k=looked.natural_k, match_length=looked.match_length, confidence=confidence,
-                           seconds=time.perf_counter() - t0)
+                           seconds=time.perf_counter() - t0, passes=drafted.passes if drafted is not None else 0)
 
     def on_finished(self, seq: Sequence) -> None:
         self.lookup.on_finished(seq)

@@ -66,7 +66,9 @@ class DraftModelProposer:
             seq = seqs[i]
             start = self._valid_prefix(seq)
             items.append(ScheduledSeq(seq, seq.token_ids[start:], start, 1))
+        passes = 0
         while items:
+            passes += 1
             batch = self.runner.build_batch(items, self.block_manager)
             logits = self.runner.execute(batch)  # [len(active), V]
             tokens, probs = self._pick(logits, [seqs[i] for i in active])
@@ -83,7 +85,7 @@ class DraftModelProposer:
         draft_probs = None
         if any(qs):
             draft_probs = [torch.stack(q) if q else None for q in qs]  # [k_i, V] each
-        return DraftTokens(token_ids=drafts, draft_probs=draft_probs, seconds=time.perf_counter() - t0)
+        return DraftTokens(token_ids=drafts, draft_probs=draft_probs, seconds=time.perf_counter() - t0, passes=passes)
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
         """Greedy rows take the argmax; sampled rows sample from q with the request's own settings."""

@@ -28,8 +28,10 @@ entries at positions c .. c + k - 2, which the next catch-up overwrites. So a pr
 
 with ``valid`` the first position not yet fed from target features (0 for a new or preempted
 sequence). The target's features arrive after every forward (``observe_target``), also on steps
-where the decider chose k = 0; they wait in a per-sequence queue until the head next drafts, so
-its cache is always brought current before it is read and nothing runs while k = 0.
+where the decider chose k = 0. A prompt chunk's are fed to the head in the step that computed
+them (all but the prompt's last position, whose next token is not sampled yet); a decode step's
+wait in a per-sequence queue until the head next drafts, so its cache is always brought current
+before it is read and nothing runs while k = 0.
 
 Checkpoint: a folder with ``config.json`` (``architectures: ["LlamaForCausalLMEagle3"]``,
 ``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids``, Llama fields) and
@@ -402,6 +404,7 @@ class EagleProposer:
         ``work`` (in batch order). Tree nodes past the root are not positions: only root rows kept."""
         fused = self.head.fuse(captured)  # [N, H]
         row = 0
+        prompts = []
         for w in work:
             n = len(w.token_ids)
             rows = fused[row:row + n] if w.tree is None else fused[row:row + 1]
@@ -412,6 +415,33 @@ class EagleProposer:
                 self._features[sid] = _Features([(w.start_position, rows)])
             else:
                 feats.put(w.start_position, rows)
+            if n > 1 and w.start_position + n <= w.seq.num_tokens:  # a prompt chunk (drafts are not tokens yet)
+                prompts.append(w.seq)
+        if prompts:
+            self._catch_up_prompts(prompts)
+
+    def _catch_up_prompts(self, seqs: list[Sequence]) -> None:
+        """Feed the head a prompt chunk's positions in the step that computed them: one pass over
+        all the chunk's rows, while their features are at hand. Caught up at the first proposal
+        instead, a 500-token prompt made that step's head pass ~10x a decode pass, and the
+        planner's timing learner read it as what a pass costs. Position p needs token p + 1, so
+        each prompt's last position waits for the sampled token (the first proposal feeds it)."""
+        items, inputs = [], []
+        for seq in seqs:
+            fed, preemptions = self._fed.get(seq.seq_id, (0, seq.num_preemptions))
+            start = fed if preemptions == seq.num_preemptions else 0
+            feats = self._features[seq.seq_id]
+            end = min(feats.end, seq.num_tokens - 1)  # positions start .. end - 1
+            rows = feats.rows(start, end) if end > start else None  # [end - start, H]
+            if rows is None:
+                continue
+            items.append(ScheduledSeq(seq, seq.token_ids[start + 1:end + 1], start, 0))
+            inputs.append(rows)
+            self._fed[seq.seq_id] = (end, seq.num_preemptions)
+            feats.drop_before(end - 1)  # the first proposal feeds position end - 1 again (``_valid``)
+        if items:
+            batch = self.batcher.build_batch(items, self.block_manager)
+            self.head.forward(batch, torch.cat(inputs), self.kv, self.block_manager.block_size)
 
     def _valid(self, seq: Sequence) -> int:
         fed, preemptions = self._fed.get(seq.seq_id, (0, seq.num_preemptions))
@@ -444,7 +474,9 @@ class EagleProposer:
             inputs.append(rows)
         features = torch.cat(inputs) if inputs else None  # [N, H]
         caught_up = list(active)  # their head K/V is current after the first pass, drafts or not
+        passes = 0
         while items:
+            passes += 1
             batch = self.batcher.build_batch(items, self.block_manager)
             normed, prenorm = self.head.forward(batch, features, self.kv, self.block_manager.block_size)
             last = batch.logits_indices  # [len(active)] each item's last row
@@ -474,7 +506,7 @@ class EagleProposer:
         if any(qs):
             draft_probs = [torch.stack(q) if q else None for q in qs]  # [k_i, V] each
         return DraftTokens(token_ids=drafts, draft_probs=draft_probs, confidence=confidence,
-                           seconds=time.perf_counter() - t0)
+                           seconds=time.perf_counter() - t0, passes=passes)
 
     def _pick(self, draft_logits: torch.Tensor, seqs: list[Sequence]
               ) -> tuple[list[int], list[float], torch.Tensor | None]:

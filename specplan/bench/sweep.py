@@ -92,7 +92,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
     if input_cap < 1:
         raise ValueError(f"max_tokens {max_tokens} leaves no room for a prompt in a {max_model_len}-token context")
     max_input_tokens = min(max_input_tokens, input_cap) if max_input_tokens is not None else input_cap
-    prof_obj, prof_desc = _profile_for(policies, profile, loaded)
+    prof_obj, prof_desc = _profile_for(policies, profile, loaded, proposer)
     store = None
     if beliefs and prof_obj is not None:
         from specplan.adaptive import belief_store
@@ -189,7 +189,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
     return out
 
 
-def _profile_for(policies: Sequence[str], profile: Any, loaded: Any) -> tuple[Any, str | None]:
+def _profile_for(policies: Sequence[str], profile: Any, loaded: Any, proposer: str = "ngram") -> tuple[Any, str | None]:
     """(the latency profile the planner policies run with, how it was found): ``profile`` as given
     (a Profile or a path), else the cached or a fresh one when a policy needs one, else None."""
     if profile is None and not needs_profile(policies):
@@ -200,7 +200,7 @@ def _profile_for(policies: Sequence[str], profile: Any, loaded: Any) -> tuple[An
         return profile, "given in code"
     from specplan.adaptive import load_or_make_profile
 
-    found = load_or_make_profile(loaded, str(profile) if profile is not None else None)
+    found = load_or_make_profile(loaded, str(profile) if profile is not None else None, proposers=(proposer,))
     return found, str(profile) if profile is not None else "cached/fresh for this model and machine"
 
 
