@@ -7,16 +7,20 @@ the moment the token is drafted and before the target runs. Two pieces turn it i
 * ``ConfidenceCalibration`` learns, online, P(a draft is accepted | its confidence bucket, the
   drafts before it accepted): draft j of a step is judged only if drafts 1..j-1 were accepted, and
   it was accepted iff j <= the step's accepted count. Each bucket starts from a weak prior at its
-  own mid-point (a head trained on the target's distribution is roughly calibrated: a draft the
-  head gives 0.8 is accepted about 80% of the time under greedy verification), and the table is
-  kept non-decreasing in confidence (pool-adjacent-violators), so one unlucky bucket cannot make a
-  surer draft look worse than a less sure one.
+  upper edge (a head trained on the target's distribution is roughly calibrated: a draft the head
+  gives 0.8 is accepted about 80% of the time under greedy verification), and the table is kept
+  non-decreasing in confidence (pool-adjacent-violators), so one unlucky bucket cannot make a
+  surer draft look worse than a less sure one. The upper edge, not the mid-point: the table learns
+  only from drafts that were verified, so a bucket priced too low is judged only on steps whose
+  stop price is lower still, while one priced too high is verified and corrected down at once;
+  and the shipped SmolLM2 head is under-confident (its drafts at confidence 0.3-0.4 were accepted
+  46-51% of the time, at 0.6-0.7 67-82%: reports/README.md#planner-measurements).
 * ``ConfidenceStop`` is the engine's ``DraftStop`` (engine/decider.py): that table and
   ``min_gain``, the tokens one more query token must be expected to add to pay for itself. The
   planner sets ``min_gain`` each step from the step the policy chose (``marginal_token_price``).
 
-Worked example of the calibration: bucket [0.8, 0.9) with prior strength 4 starts at 0.85. After
-10 judged drafts of which 6 were accepted it reads (4 * 0.85 + 6) / (4 + 10) = 0.67.
+Worked example of the calibration: bucket [0.8, 0.9) with prior strength 4 starts at 0.9. After
+10 judged drafts of which 6 were accepted it reads (4 * 0.9 + 6) / (4 + 10) = 0.69.
 """
 
 from __future__ import annotations
@@ -36,11 +40,6 @@ def bucket_of(confidence: float, edges: Sequence[float] = BUCKET_EDGES) -> int:
     return min(bisect.bisect_right(edges, max(0.0, confidence)), len(edges) - 1)
 
 
-def _midpoints(edges: Sequence[float]) -> tuple[float, ...]:
-    lows = (0.0, *edges[:-1])
-    return tuple((lo + hi) / 2 for lo, hi in zip(lows, edges))
-
-
 def _non_decreasing(values: Sequence[float], weights: Sequence[float]) -> tuple[float, ...]:
     """The weighted least-squares non-decreasing fit (pool adjacent violators)."""
     blocks: list[list[float]] = []  # [mean, weight, count]
@@ -55,7 +54,7 @@ def _non_decreasing(values: Sequence[float], weights: Sequence[float]) -> tuple[
 
 @dataclass(frozen=True)
 class ConfidenceConfig:
-    prior_strength: float = 4.0  # pseudo-drafts at the bucket's mid-point
+    prior_strength: float = 4.0  # pseudo-drafts at the bucket's upper edge
     discount: float = 0.999  # per judged draft: the table remembers about the last thousand
 
     def __post_init__(self) -> None:
@@ -71,7 +70,7 @@ class ConfidenceCalibration:
     def __init__(self, config: ConfidenceConfig = ConfidenceConfig(), edges: Sequence[float] = BUCKET_EDGES):
         self.config = config
         self.edges = tuple(edges)
-        self.prior = _midpoints(self.edges)
+        self.prior = self.edges  # each bucket's upper edge: optimistic, see the module docstring
         self.judged = [0.0] * len(self.edges)  # discounted drafts judged, per bucket
         self.accepted = [0.0] * len(self.edges)  # ... of which accepted
         self._table: tuple[float, ...] | None = None

@@ -57,7 +57,7 @@ def test_calibration_learns_and_stays_monotone():
     rng = random.Random(0)
     cal = ConfidenceCalibration()
     start = cal.table()
-    assert list(start) == sorted(start)  # the prior: bucket mid-points
+    assert start == BUCKET_EDGES  # the prior: each bucket's upper edge
     for _ in range(3000):  # a head twice as sure as it should be: true acceptance = confidence / 2
         c = rng.random()
         cal.observe([c], int(rng.random() < c / 2))
@@ -150,3 +150,4 @@ def test_beliefs_keep_the_confidence_table():
     assert fresh.confidence.accept_probability(0.93) < 0.7 < Planner(make_policy("goodput"), FLAT).confidence.accept_probability(0.93)
     with pytest.raises(ValueError, match="malformed"):
         restore(fresh, {**doc, "confidence": {"eagle": {"edges": [1.0], "judged": [1], "accepted": [0]}}})
+
