@@ -115,7 +115,6 @@ class Planner:
         # None: the policy sees each request's posterior as is (planner/calibration.py).
         self.calibration = AcceptanceCalibration(config.calibration) if config.calibration is not None else None
         self._chosen_gains: dict[int, tuple[float, ...]] = {}  # seq_id -> last decided draft gains, uncalibrated
-        self._model_drafted: set[int] = set()  # seq_ids given drafts by a draft model (not a lookup) last decision
         self.confidence = ConfidenceCalibration(config.confidence) if config.confidence is not None else None
         self.draft_stop: ConfidenceStop | None = None  # the engine's StopsDrafts: the latest decision's rule
         self.roofline = roofline
@@ -255,7 +254,6 @@ class Planner:
         self.num_zero_decisions += n
         self.draft_stop = None
         self._chosen_gains = {}
-        self._model_drafted = set()
         self.last_state, self.last_ks = state, [0] * n
         return False
 
@@ -292,7 +290,6 @@ class Planner:
         if (self.confidence is not None and getattr(self.policy, "stops_on_confidence", False)
                 and proposer not in LOOKUP_PROPOSERS and any(k and not r.looked_up for k, r in zip(ks, reqs))):
             ks, self.draft_stop = self._confident_drafts(state, ks)
-        self._model_drafted = {r.seq_id for r, k in zip(reqs, ks) if k and not r.looked_up}
         if self.calibration is not None:
             self._chosen_gains = {r.seq_id: e.gains for r, e, k in zip(reqs, raw_estimates, ks) if k}
         self.last_state, self.last_ks = state, ks
@@ -319,7 +316,7 @@ class Planner:
     def observe(self, record: StepRecord) -> None:
         proposer = self.proposer or (self.last_state.proposer if self.last_state is not None else "unknown")
         touched = set()
-        total_drafts = deepest = 0  # deepest: model-drafted requests only (a lookup runs no pass)
+        total_drafts = deepest = 0
         for rr in record.requests:
             t = self._tracked(rr.seq_id, rr.request_id, proposer)
             acc = self.acceptance(t, rr.match_length)
@@ -337,14 +334,15 @@ class Planner:
                     self.calibration.observe(sum(gains[:k]), rr.num_accepted)
                 t.last_outcome = Outcome(k, rr.num_proposed, rr.num_accepted)
                 total_drafts += k
-                if rr.seq_id in self._model_drafted:
-                    deepest = max(deepest, k)
+                deepest = max(deepest, k)
         for p in touched:
             p.refresh()
         if self.latency is not None:
             self._observe_step_time(record, sum(rr.num_proposed for rr in record.requests))
         if self.config.learn_timing:
-            passes = getattr(record, "draft_passes", None)  # what ran, where the engine says (a stop's last pass too)
+            # The passes a draft model ran, as the engine reports them (a stop's last pass too; none
+            # for a chain's lookup drafts); else the deepest k.
+            passes = getattr(record, "draft_passes", None)
             self._timing_for(proposer).observe(record.total_s - record.forward_s - record.verify_s, total_drafts,
                                                deepest if passes is None else passes)
 

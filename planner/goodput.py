@@ -131,7 +131,8 @@ def marginal_token_price(estimates: Sequence[AcceptanceEstimate], ks: Sequence[i
     step's goodput."""
     if not ks:
         return 0.0
-    drafted = cost.model_drafted if cost.model_drafted is not None and any(cost.model_drafted) else (True,) * len(ks)
+    drafted = cost.model_drafted
+    candidates = [i for i in range(len(ks)) if drafted is None or drafted[i]] or range(len(ks))
     deeper = list(ks)
-    deeper[max((i for i in range(len(ks)) if drafted[i]), key=ks.__getitem__)] += 1
+    deeper[max(candidates, key=ks.__getitem__)] += 1
     return step_goodput(estimates, ks, cost) * max(0.0, cost.charged_seconds(deeper) - cost.charged_seconds(ks))

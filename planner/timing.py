@@ -6,8 +6,8 @@ drafting, appending tokens). Model it as
 
     rest = overhead + per_pass * passes + per_token * total_drafts
 
-(passes: the draft model's forward passes, as the engine reports them, else the deepest k drafted
-by a model; a lookup runs none) and fit the three coefficients by discounted least squares, regularised toward the prior draft
+(passes: the draft model's forward passes as the engine reports them, none for lookup drafts;
+else the deepest k) and fit the three coefficients by discounted least squares, regularised toward the prior draft
 cost (the profile's), so steps without drafts pin the overhead, and a draft model's per-pass cost
 emerges from steps with different depths. Coefficients are kept >= 0.
 """

@@ -57,8 +57,7 @@ def _add_head_cost(profile: Profile, loaded: LoadedModel, proposers: Iterable[st
     from specplan.engine.proposers.factory import HEAD_PROPOSERS
     from specplan.profiler.run import measure_head_cost
 
-    missing = [p for p in HEAD_PROPOSERS if p in set(proposers) and p not in profile.draft_costs]
-    if not missing:
+    if not any(p in HEAD_PROPOSERS and p not in profile.draft_costs for p in proposers):
         return
     typer.secho("[the profile has no draft-head pass cost yet: timing the head (under a minute)]", err=True,
                 fg=typer.colors.BRIGHT_BLACK)
