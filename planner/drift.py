@@ -14,7 +14,9 @@ import math
 import statistics
 from dataclasses import dataclass, field, fields
 
-from ..profiler.latency_model import LatencyModel, StepShape
+import numpy as np
+
+from ..profiler.latency_model import LatencyModel, StepShape, predict_many
 from .timing import solve3
 
 
@@ -75,6 +77,9 @@ class DriftCorrectedLatency:
 
     def predict(self, shape: StepShape) -> float:
         return self.inner.predict(shape) * self.drift.factor
+
+    def predict_many(self, num_seqs: int, num_tokens: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
+        return predict_many(self.inner, num_seqs, num_tokens, context_tokens) * self.drift.factor
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,12 @@ per-step overhead. Goodput is their ratio.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..profiler.latency_model import DraftCost, LatencyModel, StepShape
+import numpy as np
+
+from ..profiler.latency_model import DraftCost, LatencyModel, StepShape, predict_many
 from .acceptance import AcceptanceEstimate
 
 
@@ -44,20 +45,22 @@ def with_drafts(base: StepShape, total_drafts: int) -> StepShape:
 MIN_DRAFT_INCREMENT = 0.02
 
 
-def draft_increment(base_s: float, with_drafts_s: float, drafts: int, base_tokens: int) -> float:
+def draft_increment(base_s: float, with_drafts_s: float | np.ndarray, drafts: int | np.ndarray,
+                    base_tokens: int) -> float | np.ndarray:
     """The latency model's seconds for a step's ``drafts`` over its base step (``base_tokens``
-    query tokens in ``base_s``), at least ``MIN_DRAFT_INCREMENT`` x base_s / base_tokens per draft."""
+    query tokens in ``base_s``), at least ``MIN_DRAFT_INCREMENT`` x base_s / base_tokens per draft.
+    Element-wise over arrays of draft counts (the allocator's whole curve) as over single numbers."""
     floor = MIN_DRAFT_INCREMENT * drafts * base_s / max(base_tokens, 1)
-    return max(with_drafts_s - base_s, floor)
+    return np.maximum(with_drafts_s - base_s, floor)
 
 
-def priced_seconds(base_s: float, increment_s: float, slope: float = 1.0, jump: float = 0.0) -> float:
+def priced_seconds(base_s: float, increment_s: float | np.ndarray, slope: float = 1.0, jump: float = 0.0
+                   ) -> float | np.ndarray:
     """A step with drafts as the planner prices it: the model's ``increment_s`` for them
     (``draft_increment``) scaled by the learned ``slope``, plus ``jump`` x the base for having
-    drafts at all (both from planner/drift.py ``DraftSlope``), never below the base step."""
-    if increment_s <= 0.0:
-        return base_s  # no drafts
-    return base_s + max(0.0, slope * increment_s + jump * base_s)
+    drafts at all (both from planner/drift.py ``DraftSlope``), never below the base step. An
+    increment of 0 is a step without drafts: the base. Element-wise, as ``draft_increment``."""
+    return base_s + np.maximum(0.0, slope * increment_s + jump * base_s) * (increment_s > 0.0)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class StepCostModel:
     # n-gram share) run none, so a request served by a 1-token lookup with 8 drafts does not make
     # the head run 8 passes for the others.
     model_drafted: tuple[bool, ...] | None = None
+    # target_curve's latest answer (the allocator's, then every scalar question after it).
+    _curve: list = field(default_factory=lambda: [np.zeros(0)], init=False, repr=False, compare=False)
 
     def passes(self, ks: Sequence[int]) -> int:
         """Draft-model passes a step with these drafts runs: the deepest model-drafted k."""
@@ -85,20 +90,24 @@ class StepCostModel:
             return max(ks, default=0)
         return max((k for k, m in zip(ks, self.model_drafted) if m), default=0)
 
-    @cached_property
-    def base_seconds(self) -> float:
-        """Forward + verify time of the base step (computed once: the allocator asks many times)."""
-        return self.latency.predict(self.base)
+    def target_curve(self, max_drafts: int) -> np.ndarray:
+        """[>= max_drafts + 1]: ``target_seconds(n)`` for n = 0, 1, ..., max_drafts, from one
+        vectorised prediction (the allocator weighs every total of drafts at once); kept, so
+        later questions about the same step read it."""
+        curve = self._curve[0]
+        if len(curve) <= max_drafts:
+            n = np.arange(max(max_drafts, 2 * len(curve)) + 1)  # [n]
+            base = self.base
+            with_n = predict_many(self.latency, base.num_seqs, base.num_tokens + n, base.context_tokens + n)  # [n]
+            base_s = with_n[0]
+            increment = draft_increment(base_s, with_n, n, base.num_tokens)  # [n], 0 at n = 0
+            curve = self._curve[0] = priced_seconds(base_s, increment, self.draft_slope, self.draft_jump)
+        return curve
 
     def target_seconds(self, total_drafts: int) -> float:
         """Forward + verify time predicted by the (drift-corrected) latency model, its increment
         over the base step priced by the learned slope and jump (``priced_seconds``)."""
-        if total_drafts == 0:
-            return self.base_seconds
-        base_s = self.base_seconds
-        with_n = self.latency.predict(with_drafts(self.base, total_drafts))
-        increment = draft_increment(base_s, with_n, total_drafts, self.base.num_tokens)
-        return priced_seconds(base_s, increment, self.draft_slope, self.draft_jump)
+        return float(self.target_curve(total_drafts)[total_drafts])
 
     def seconds(self, ks: Sequence[int]) -> float:
         """The whole step's seconds (what an ITL SLA bounds)."""

@@ -9,39 +9,33 @@ When the choice is off, a cheap exploratory allocation may run instead (``explor
 ``DraftSlope`` in planner/drift.py. While the acceptance beliefs are still the proposer's prior,
 requests start speculating a few at a time (``slow_start_evidence``).
 
-How ``allocate`` chooses: greedy by marginal gain, one draft at a time: the j-th draft of request i adds
-``g_ij = P(len_i >= j) * alpha_first_i * alpha_i^(j-1)`` expected tokens, and the step's cost depends only on how many
-drafts it carries in total (plus, for a draft model, the deepest k). Each request's gains are
-non-increasing in j (a product of probabilities), so handing drafts out one at a time to the
-request with the largest next gain — what a heap over requests does — visits exactly the gains in
-globally sorted order, and the first n of them are the best possible n drafts. So we sort once and
-only have to choose how many to hand out:
+How ``allocate`` chooses: the j-th draft of request i adds ``g_ij = P(len_i >= j) * alpha_first_i *
+alpha_i^(j-1)`` expected tokens, and the step's cost depends only on how many drafts it carries in
+total (plus, for a draft model, the deepest k). Each request's gains are non-increasing in j (a
+product of probabilities), so handing drafts out one at a time to the request with the largest
+next gain visits exactly the gains in globally sorted order, and the first n of them are the best
+possible n drafts. So we sort once and only have to choose how many to hand out:
 
     goodput(n) = (B + G(n)) / T(n),   G(n) = sum of the n largest gains.
 
 goodput(n) need not be unimodal (step time can jump at a kernel's tile size), so stopping at the
-first dip could miss a later peak. We search n exactly instead, by branch and bound over intervals
-of n: with T non-decreasing in n, every n strictly inside (lo, hi) has goodput at most
-``(B + G(hi - 1)) / T(lo)``, so an interval whose bound cannot beat the best n seen is dropped and
-the rest are bisected. That takes O(log N) latency predictions on smooth curves instead of N
-(N = B * max_k = 512 at B = 64), which is what keeps ``decide`` cheap at large batches. Monotone T is
-an assumption about the latency model (a step with more query tokens is not faster): if a
-prediction we happen to make shows T decreasing, we fall back to evaluating every n; for a model
-known not to be monotone (say, a raw table of noisy measurements) pass ``assume_monotone=False``
-to always evaluate every n, which is exact for any model.
+first dip could miss a later peak. Every n is weighed instead, at once: the latency model
+predicts the whole curve T(0..N) in one vectorised call (``StepCostModel.target_curve``), and the
+best n is an argmax over arrays of N + 1 entries (N = B * max_k = 256 at B = 32). That is exact for
+any step-time model, monotone or not, and is what keeps ``decide`` cheap at large batches.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
-from itertools import accumulate, chain
-from typing import Callable, ClassVar, Sequence
+from itertools import chain
+from typing import ClassVar, Sequence
+
+import numpy as np
 
 from ..planner.acceptance import AcceptanceEstimate
 from ..planner.goodput import StepCostModel, step_goodput
 from ..planner.policy import PolicyState
-from ..profiler.latency_model import DraftCost
 
 
 @dataclass(frozen=True)
@@ -57,146 +51,60 @@ class Allocation:
         return sum(self.ks)
 
 
-class _NotMonotone(Exception):
-    """The step-time model decreased in n: interval bounds do not hold."""
-
-
-def _scan(cum: list[float], base: float, step_s: Callable[[int], float], sla_s: float | None,
-          floor: float) -> tuple[int, float, float]:
-    """Every n, keeping the best: correct for any step-time model."""
-    best = (0, floor, 0.0)
-    for n in range(1, len(cum)):
-        t = step_s(n)
-        if sla_s is not None and t > sla_s:
-            continue
-        g = (base + cum[n]) / t
-        if g > best[1]:
-            best = (n, g, t)
-    return best
-
-
-def _branch_and_bound(cum: list[float], base: float, step_s: Callable[[int], float], sla_s: float | None,
-                      floor: float) -> tuple[int, float, float]:
-    """The best n in 1..N beating ``floor``, assuming step_s is non-decreasing (raises otherwise)."""
+def _best_total(cum: np.ndarray, num: int, seconds: np.ndarray, sla_s: float | None, floor: float
+                ) -> tuple[int, float, float]:
+    """(n, goodput, seconds) of the best n in 1..N: the most tokens per second, (num + cum[n]) /
+    seconds[n], above ``floor`` and within the SLA; (0, floor, 0.0) when no n beats the floor.
+    cum [N + 1]: the n best gains summed (cum[0] = 0); seconds [>= N + 1]: the step at each n.
+    Ties go to the smallest n."""
     last = len(cum) - 1
-    best = (0, floor, 0.0)
     if last < 1:
-        return best  # no draft to hand out (the step's token budget is spent)
-
-    def feasible(t: float) -> bool:
-        return sla_s is None or t <= sla_s
-
-    def consider(n: int, t: float) -> None:
-        nonlocal best
-        g = (base + cum[n]) / t
-        if g > best[1]:
-            best = (n, g, t)
-
-    # T(1), not T(0), bounds every n >= 1 from below: it includes what having drafts at all costs
-    # (a draft model's pass, the learned jump), which often settles the search right here: if the
-    # most tokens any n can emit over T(1) cannot beat the floor, no n can.
-    t_first = step_s(1)
-    if t_first < step_s(0):
-        raise _NotMonotone
-    if not feasible(t_first) or (base + cum[last]) / t_first <= best[1]:
-        return best
-    times = {1: t_first}
-    consider(1, t_first)
-    if last == 1:
-        return best
-    t_last = step_s(last)
-    if t_last < t_first:
-        raise _NotMonotone
-    times[last] = t_last
-    if feasible(t_last):
-        consider(last, t_last)
-    # Intervals are open: n strictly between lo and hi; T(lo) is known and feasible.
-    heap = [(-(base + cum[last - 1]) / t_first, 1, last)] if last > 2 else []
-    while heap:
-        neg_bound, lo, hi = heapq.heappop(heap)
-        if -neg_bound <= best[1]:
-            break  # the heap is ordered by bound: nothing left can win
-        mid = (lo + hi) // 2
-        t = step_s(mid)
-        if t < times[lo] or (hi in times and t > times[hi]):
-            raise _NotMonotone
-        times[mid] = t
-        if feasible(t):
-            consider(mid, t)
-            if hi - mid > 1:
-                heapq.heappush(heap, (-(base + cum[hi - 1]) / t, mid, hi))
-        # mid infeasible: with T monotone so is everything above it; only (lo, mid) remains.
-        if mid - lo > 1:
-            heapq.heappush(heap, (-(base + cum[mid - 1]) / times[lo], lo, mid))
-    return best
+        return 0, floor, 0.0  # no draft to hand out (the step's token budget is spent)
+    t = seconds[1:last + 1]  # [N]
+    goodput = (num + cum[1:]) / t  # [N]
+    if sla_s is not None:
+        goodput[t > sla_s] = -np.inf
+    i = int(np.argmax(goodput))
+    if goodput[i] > floor:
+        return i + 1, float(goodput[i]), float(t[i])
+    return 0, floor, 0.0
 
 
-@dataclass(frozen=True)
-class _StepSeconds:
-    """Charged seconds of a step carrying n drafts at most ``depth`` deep (a draft model pays one
-    pass per position up to the deepest; exact for allocations that deep, shallower ones win at
-    their own depth)."""
-
-    target_s: Callable[[int], float]
-    fixed: float
-    draft: DraftCost
-    depth: int
-
-    def __call__(self, n: int) -> float:
-        extra = self.draft.per_pass_s * self.depth + self.draft.per_token_s * n if n else 0.0
-        return self.target_s(n) + self.fixed + extra
-
-
-def _best_total(cum: list[float], num: int, step_s: Callable[[int], float], sla_s: float | None, floor: float,
-                assume_monotone: bool) -> tuple[int, float, float]:
-    """The best number of drafts n (cum[n]: the n best gains summed) beating ``floor``."""
-    search = _branch_and_bound if assume_monotone else _scan
-    try:
-        return search(cum, num, step_s, sla_s, floor)
-    except _NotMonotone:  # a prediction fell as tokens grew: the bounds do not hold
-        return _scan(cum, num, step_s, sla_s, floor)
-
-
-def _step_seconds_model(cost: StepCostModel) -> tuple[Callable[[int], float], float]:
-    """(target seconds by total drafts, memoised; the fixed charged seconds beside them)."""
-    t_cache: dict[int, float] = {}
-
-    def target_s(n: int) -> float:
-        t = t_cache.get(n)
-        if t is None:
-            t = t_cache[n] = cost.target_seconds(n)
-        return t
-
-    return target_s, cost.overhead_s - cost.shared_s
+def _step_seconds(cost: StepCostModel, max_drafts: int, depth: int) -> np.ndarray:
+    """[max_drafts + 1]: the charged seconds of a step carrying n = 0..max_drafts drafts at most
+    ``depth`` deep (a draft model pays one pass per position up to the deepest; exact for
+    allocations that deep, shallower ones win at their own depth)."""
+    n = np.arange(max_drafts + 1)  # [n]
+    draft = cost.draft_cost
+    extra = (draft.per_pass_s * depth + draft.per_token_s * n) * (n > 0)  # [n]
+    return cost.target_curve(max_drafts)[:max_drafts + 1] + (cost.overhead_s - cost.shared_s) + extra
 
 
 def any_draft_pays(num: int, cap: int, cost: StepCostModel, *, sla_itl_s: float | None = None,
-                   min_relative_gain: float = 0.0, assume_monotone: bool = True,
-                   max_total_drafts: int | None = None) -> bool:
+                   min_relative_gain: float = 0.0, max_total_drafts: int | None = None) -> bool:
     """Whether ``allocate`` would hand out any draft to ``num`` requests of cap ``cap`` if every
     draft were accepted (each gain 1). Real gains are at most 1, so False means ``allocate``
     answers all zeros for any estimates: the planner's screen (controller.py ``may_speculate``),
     without building estimates or sorting gains (with equal gains the n best sum to n)."""
     if num == 0 or cap <= 0:
         return False
-    target_s, fixed = _step_seconds_model(cost)
-    off_s = target_s(0) + fixed
+    off_s = cost.charged_seconds((0,))
     sla_s = sla_itl_s - cost.shared_s if sla_itl_s is not None else None
     if sla_s is not None and off_s > sla_s:
         return False
     floor = num / off_s * (1.0 + min_relative_gain)
     limit = num * cap if max_total_drafts is None else max(0, min(num * cap, max_total_drafts))
-    draft = cost.draft_cost
-    for depth in (range(1, cap + 1) if draft.per_pass_s > 0.0 else (cap,)):
-        cum = [float(n) for n in range(min(limit, num * depth) + 1)]
-        if _best_total(cum, num, _StepSeconds(target_s, fixed, draft, depth), sla_s, floor, assume_monotone)[0]:
+    for depth in (range(1, cap + 1) if cost.draft_cost.per_pass_s > 0.0 else (cap,)):
+        most = min(limit, num * depth)
+        cum = np.arange(most + 1, dtype=float)  # [most + 1]
+        if _best_total(cum, num, _step_seconds(cost, most, depth), sla_s, floor)[0]:
             return True
     return False
 
 
 def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost: StepCostModel, *,
              sla_itl_s: float | None = None, min_relative_gain: float = 0.0,
-             assume_monotone: bool = True, max_total_drafts: int | None = None) -> Allocation:
+             max_total_drafts: int | None = None) -> Allocation:
     """k_i in [0, caps[i]] maximising predicted goodput; all zeros when nothing beats plain decoding
     by ``min_relative_gain`` (e.g. a compute-bound step) or when even plain decoding breaks the SLA.
     ``max_total_drafts`` caps the drafts of the whole step (the engine's token budget): only the
@@ -211,8 +119,8 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     # SLA bounds the whole step. Both differ by the constant ``shared``, so the search runs on
     # charged seconds against an SLA lowered by it.
     shared = cost.shared_s
-    target_s, fixed = _step_seconds_model(cost)
-    off_s = target_s(0) + fixed  # charged
+    cost.target_curve(sum(caps))  # every total of drafts priced in one vectorised call, kept
+    off_s = cost.charged_seconds(zeros)
     off_goodput = num / off_s
     sla_s = sla_itl_s - shared if sla_itl_s is not None else None
     if sla_s is not None and off_s > sla_s:
@@ -222,48 +130,48 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     floor = off_goodput * (1.0 + min_relative_gain)
 
     gains = [e.marginal_gains(c) for e, c in zip(estimates, caps)]
-    deepest = max(len(g) for g in gains)
+    lengths = list(map(len, gains))
+    deepest = max(lengths)
     if deepest == 0:
         return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
     draft = cost.draft_cost
     # A draft model pays one pass per position up to the deepest k, a cost that does not split
     # across requests; so try each depth cap D (drafts at positions <= D only) and keep the best.
     # Lookup drafts run no pass (StepCostModel.model_drafted): a depth cap leaves them whole.
-    drafted = cost.model_drafted or (True,) * num
-    model_deepest = max((len(g) for g, m in zip(gains, drafted) if m), default=0)
+    drafted = cost.model_drafted
+    model_deepest = deepest if drafted is None else max((n for n, m in zip(lengths, drafted) if m), default=0)
     # Depth 0 (lookup drafts only) is a candidate of its own where both sources are in the step.
-    looked_up = any(g and not m for g, m in zip(gains, drafted))
+    looked_up = drafted is not None and any(n and not m for n, m in zip(lengths, drafted))
     depth_caps = (range(0 if looked_up else 1, model_deepest + 1) if draft.per_pass_s > 0.0 and model_deepest
                   else (model_deepest,))
-    best_n, best_g, best_s, chosen = 0, floor, off_s, []
-    # All gains in one flat list, request i's at [i * deepest, i * deepest + caps[i]), padded with
-    # -1 (gains are >= 0, so padding sorts last and is cut off); sorting indices by a C-level key
-    # is what keeps this cheap at B = 64. One sort serves every depth cap: a cap keeps a
-    # subsequence of the same order. Python's sort is stable, so ties go to the earlier request.
+    # All gains in one flat array, request i's at [i * deepest, i * deepest + caps[i]), padded with
+    # -1 (gains are >= 0, so padding sorts last and is cut off). One stable sort (ties go to the
+    # earlier request) serves every depth cap: a cap keeps a subsequence of the same order.
+    # Worked example, deepest = 3: request 0's gains (0.9, 0.5) and request 1's (0.7,) flatten to
+    # [0.9, 0.5, -1, 0.7, -1, -1]; the order is [0, 3, 1] (x // 3 is the request, x % 3 the
+    # position), and n = 2 drafts give k = (1, 1).
     pad = (-1.0,) * deepest
-    flat = list(chain.from_iterable(g + pad[len(g):] for g in gains))
-    full = sorted(range(len(flat)), key=flat.__getitem__, reverse=True)[:sum(map(len, gains))]
+    flat = np.fromiter(chain.from_iterable(g + pad[len(g):] for g in gains), float, num * deepest)  # [num * deepest]
+    full = np.argsort(-flat, kind="stable")[:sum(lengths)]  # [drafts], best gain first
     limit = len(full) if max_total_drafts is None else max(0, max_total_drafts)
+    passless = ~np.array(drafted or (True,) * num)[full // deepest]  # [drafts]: lookup drafts
+    best_n, best_g, chosen = 0, floor, full
     for depth in depth_caps:
-        order = (full if depth >= model_deepest else
-                 [x for x in full if x % deepest < depth or not drafted[x // deepest]])[:limit]
-        cum = list(accumulate(map(flat.__getitem__, order), initial=0.0))
-        n, g, t = _best_total(cum, num, _StepSeconds(target_s, fixed, draft, depth), sla_s, best_g, assume_monotone)
+        order = full if depth >= model_deepest else full[(full % deepest < depth) | passless]
+        order = order[:limit]  # [n]
+        cum = np.concatenate(([0.0], np.cumsum(flat[order])))  # [n + 1]
+        n, g, _ = _best_total(cum, num, _step_seconds(cost, len(order), depth), sla_s, best_g)
         if n and g > best_g:
-            best_n, best_g, best_s, chosen = n, g, t, order
+            best_n, best_g, chosen = n, g, order
     if best_n == 0:
         return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
-    ks = [0] * num
-    for x in chosen[:best_n]:
-        ks[x // deepest] += 1
-    return Allocation(tuple(ks), best_g, best_s + shared, off_goodput)
+    ks = tuple(np.bincount(chosen[:best_n] // deepest, minlength=num).tolist())
+    return Allocation(ks, best_g, cost.seconds(ks), off_goodput)
 
 
 @dataclass(frozen=True)
 class GoodputPolicy:
     min_relative_gain: float = 0.02
-    # False for a latency model whose predictions may fall as tokens grow (then every total is tried).
-    assume_monotone_latency: bool = True
     # Exploring when the choice is "off": the optimistic allocation may lose at most this share of
     # predicted goodput (at the learned draft slope) to find out whether drafts really cost that much.
     explore_budget: float = 0.05
@@ -299,7 +207,7 @@ class GoodputPolicy:
     def _allocate(self, state: PolicyState, cost: StepCostModel) -> Allocation:
         return allocate([r.acceptance for r in state.requests], [r.max_k for r in state.requests], cost,
                         sla_itl_s=state.sla_itl_s, min_relative_gain=self.min_relative_gain,
-                        assume_monotone=self.assume_monotone_latency, max_total_drafts=state.draft_budget)
+                        max_total_drafts=state.draft_budget)
 
     def plan(self, state: PolicyState) -> Allocation:
         """The full allocation (predicted goodput and step time too), for reports and tests."""
@@ -322,8 +230,7 @@ class GoodputPolicy:
         so False is exact: plan would answer 0 for all, and the engine can skip its lookups."""
         def pays(cost: StepCostModel) -> bool:
             return any_draft_pays(len(state.requests), state.max_k, cost, sla_itl_s=state.sla_itl_s,
-                                  min_relative_gain=self.min_relative_gain,
-                                  assume_monotone=self.assume_monotone_latency, max_total_drafts=state.draft_budget)
+                                  min_relative_gain=self.min_relative_gain, max_total_drafts=state.draft_budget)
 
         if pays(state.cost_model()):
             return True

@@ -15,6 +15,7 @@ on relative error (each row divided by its measured time), so fast and slow cell
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from scipy.optimize import nnls
@@ -42,6 +43,24 @@ class HingeLatencyModel:
             if n > knot:
                 t += slope * (n - knot)
         return t
+
+    def predict_many(self, num_seqs: int, num_tokens: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
+        """``predict`` over arrays of token counts at one batch size (the planner's allocator
+        prices every total of drafts at once). The hinge terms sum to one convex piecewise-linear
+        function of the token count, read off its values at the knots by interpolation; tests
+        check that both forms agree. Shapes: num_tokens [n], context_tokens [n] -> seconds [n]."""
+        knots_x, knots_y = self._hinge_points
+        return (self.intercept + self.per_context_token * context_tokens + self.per_seq * num_seqs
+                + self.multi_token_jump * (num_tokens >= 2) + np.interp(num_tokens, knots_x, knots_y))
+
+    @cached_property
+    def _hinge_points(self) -> tuple[np.ndarray, np.ndarray]:
+        """(x, y): sum_k slope_k * max(0, x - knot_k) at every knot and at a point far past the
+        last (the function is linear between them; 0 before the first knot).
+        Worked example: knots (1, 4), slopes (0, 2): x = (1, 4, 4 + 1e9), y = (0, 0, 2e9)."""
+        x = np.array(sorted(self.knots) + [max(self.knots) + 1e9])
+        y = np.array([sum(s * max(0.0, xi - k) for k, s in zip(self.knots, self.slopes)) for xi in x])
+        return x, y
 
     def to_dict(self) -> dict:
         return {"form": "hinge", "intercept": self.intercept, "multi_token_jump": self.multi_token_jump,

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -27,6 +29,17 @@ class LatencyModel(Protocol):
         """Predicted time of one engine step's forward pass plus verification (StepRecord.forward_s +
         verify_s), in seconds; scheduling and proposing are priced separately by the planner."""
         ...
+
+
+def predict_many(model: LatencyModel, num_seqs: int, num_tokens: np.ndarray, context_tokens: np.ndarray
+                 ) -> np.ndarray:
+    """The model's seconds for steps of ``num_seqs`` sequences and each of the token counts
+    (arrays of one length): one vectorised call where the model has ``predict_many`` (the fitted
+    model has), else one ``predict`` per entry, which is exact for any model."""
+    many = getattr(model, "predict_many", None)
+    if many is not None:
+        return many(num_seqs, num_tokens, context_tokens)
+    return np.array([model.predict(StepShape(num_seqs, int(n), int(c))) for n, c in zip(num_tokens, context_tokens)])
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from specplan.profiler.fit import HingeLatencyModel, fit_latency_model, heldout_error, mape
@@ -50,3 +51,20 @@ def test_model_round_trips_through_dict():
     model = fit_latency_model(shapes, secs)
     again = HingeLatencyModel.from_dict(model.to_dict())
     assert again == model
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_predict_many_agrees_with_predict(seed):
+    # The allocator prices a whole curve of draft totals at once (predict_many); every single
+    # question goes through predict. Random knots (unsorted too), slopes and shapes.
+    rng = random.Random(seed)
+    knots = tuple(rng.sample([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0], rng.randint(1, 8)))
+    model = HingeLatencyModel(rng.uniform(0, 0.05), knots, tuple(rng.uniform(0, 1e-3) for _ in knots),
+                              rng.uniform(0, 1e-6), rng.uniform(0, 1e-3), rng.choice([0.0, 0.004]))
+    num_seqs = rng.randint(1, 64)
+    tokens = np.arange(0, 600)
+    context = tokens * 3 + rng.randint(0, 10_000)
+    many = model.predict_many(num_seqs, tokens, context)
+    assert many.shape == (600,)
+    one = [model.predict(StepShape(num_seqs, int(t), int(c))) for t, c in zip(tokens, context)]
+    assert many.tolist() == pytest.approx(one, rel=1e-12, abs=1e-15)
