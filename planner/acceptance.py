@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from itertools import accumulate, repeat
+from functools import lru_cache
+from itertools import accumulate, chain, repeat
 from operator import mul
 from types import MappingProxyType
 from typing import Mapping
@@ -58,11 +59,6 @@ class AcceptanceEstimate:
     # P(len >= j) * alpha_first * alpha^(j - 1) (non-increasing in j). Derived, computed once: the
     # allocator reads it every step.
     gains: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    # Estimates derived from this one: ``given_available`` by n (at most max_k + 1 of them) and the
-    # latest ``with_first_acceptance``. The planner derives the same few from a request's unchanged
-    # estimate step after step, and building one is most of what a request costs ``decide``. The
-    # calibration factor behind alpha_first can move every step, so only its last value is kept.
-    _derived: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.alpha_first is None:
@@ -70,8 +66,17 @@ class AcceptanceEstimate:
         for name in ("alpha", "alpha_first"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        reach = accumulate(repeat(self.alpha, len(self.p_len_ge) - 1), mul, initial=self.alpha_first)
-        object.__setattr__(self, "gains", tuple(map(mul, self.p_len_ge, reach)))
+        object.__setattr__(self, "gains", _gains(self.alpha, self.p_len_ge, self.alpha_first))
+
+    @staticmethod
+    def _checked(alpha: float, p_len_ge: tuple[float, ...], alpha_first: float) -> "AcceptanceEstimate":
+        """An estimate of values already known to be in range (posterior means of ones that were):
+        built without the constructor's checks. Every request's estimate is rebuilt each step it
+        was observed in, and at B = 32 the checks were a tenth of the planner's step (measured)."""
+        e = object.__new__(AcceptanceEstimate)
+        e.__dict__.update(alpha=alpha, p_len_ge=p_len_ge, alpha_first=alpha_first,
+                          gains=_gains(alpha, p_len_ge, alpha_first))
+        return e
 
     @property
     def max_k(self) -> int:
@@ -88,27 +93,27 @@ class AcceptanceEstimate:
     def given_available(self, n: int) -> "AcceptanceEstimate":
         """The same acceptance for a step where the proposer is known to have exactly n drafts
         (proposed before the decision): P(len >= j) is 1 up to n and 0 after."""
-        n = max(0, min(n, self.max_k))
-        key = ("available", n)
-        derived = self._derived.get(key)
-        if derived is None:
-            derived = self._derived[key] = AcceptanceEstimate(
-                self.alpha, (1.0,) * n + (0.0,) * (self.max_k - n), self.alpha_first)
-        return derived
-
-    def with_first_acceptance(self, alpha_first: float) -> "AcceptanceEstimate":
-        """The same estimate with another first-draft acceptance (so every draft's gain scales)."""
-        last = self._derived.get("first")
-        if last is not None and last[0] == alpha_first:
-            return last[1]
-        derived = AcceptanceEstimate(self.alpha, self.p_len_ge, alpha_first)
-        self._derived["first"] = (alpha_first, derived)
-        return derived
+        return AcceptanceEstimate._checked(self.alpha, exact_length(n, self.max_k), self.alpha_first)
 
     @property
     def expected_proposal_length(self) -> float:
         """E[min(proposal length, max_k)]: how many drafts a request asking max_k would really get."""
         return sum(self.p_len_ge)
+
+
+def _gains(alpha: float, p_len_ge: tuple[float, ...], alpha_first: float) -> tuple[float, ...]:
+    """P(len >= j) * alpha_first * alpha^(j - 1) for j = 1..max_k (C-level itertools: every
+    request's estimate runs it)."""
+    reach = accumulate(repeat(alpha, len(p_len_ge) - 1), mul, initial=alpha_first)
+    return tuple(map(mul, p_len_ge, reach))
+
+
+@lru_cache(maxsize=None)
+def exact_length(n: int, max_k: int) -> tuple[float, ...]:
+    """P(len >= j), j = 1..max_k, of a proposal known to have exactly n drafts (a lookup that
+    ran before the decision): 1 up to n, 0 after."""
+    n = max(0, min(n, max_k))
+    return (1.0,) * n + (0.0,) * (max_k - n)
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,13 @@ class ProposerPrior:
     # (alpha_first, alpha) after a lookup matched 1, 2, ... trailing tokens (the last entry also
     # covers longer matches); empty: the proposer reports no match length (see ``for_match``).
     by_match_length: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        values = [self.alpha, self.p_first, self.p_continue, *chain.from_iterable(self.by_match_length)]
+        if self.alpha_first is not None:
+            values.append(self.alpha_first)
+        if not all(0.0 <= v <= 1.0 for v in values):
+            raise ValueError(f"a prior's probabilities must be in [0, 1], got {self}")
 
     def for_match(self, bucket: int) -> "ProposerPrior":
         """The prior for drafts found by a match in ``bucket`` (``match_bucket``): the proposal
@@ -324,18 +336,26 @@ class _Belief:
     p_continue: tuple[float, ...]  # P(len >= j | len >= j - 1), j = 1..max_k
 
 
-def _posterior(prior: _Belief, strength: float, counts: OutcomeCounts) -> AcceptanceEstimate:
+def _posterior(prior: _Belief, strength: float, counts: OutcomeCounts, available: int | None = None,
+               first_scale: float = 1.0) -> AcceptanceEstimate:
     """Beta-style posterior means (``strength`` pseudo-outcomes at the prior's values plus the
     counts) of both acceptances and of each position's continuation probability, turned into the
-    survival P(len >= j) = prod_{i <= j} P(continue at i). Runs for every request every step, hence
-    the C-level itertools."""
-    scale = counts._scale
+    survival P(len >= j) = prod_{i <= j} P(continue at i). With ``available`` drafts already
+    proposed (a lookup ran before the decision) the survival is known exactly instead
+    (``exact_length``). ``first_scale`` scales the first draft's acceptance (capped at 1), and with
+    it every draft's gain: the planner's calibration (planner/calibration.py). Runs for every
+    request every step, hence the C-level itertools."""
     alpha, alpha_first = counts.alphas(strength, prior.alpha, prior.alpha_first)
-    # proven[j - 1]: stored observations proving length >= j (a suffix sum of the histogram).
-    proven = list(accumulate(reversed(counts._at_least[1:])))[::-1]
-    pseudo = strength / scale  # in stored units, so the scale cancels
-    cont = [(pseudo * p + r) / (pseudo + r + x) for p, r, x in zip(prior.p_continue, proven, counts._stopped)]
-    return AcceptanceEstimate(alpha, tuple(accumulate(cont, mul)), alpha_first)
+    if available is not None:
+        p_len_ge = exact_length(available, counts.max_k)
+    else:
+        scale = counts._scale
+        # proven[j - 1]: stored observations proving length >= j (a suffix sum of the histogram).
+        proven = list(accumulate(reversed(counts._at_least[1:])))[::-1]
+        pseudo = strength / scale  # in stored units, so the scale cancels
+        cont = [(pseudo * p + r) / (pseudo + r + x) for p, r, x in zip(prior.p_continue, proven, counts._stopped)]
+        p_len_ge = tuple(accumulate(cont, mul))
+    return AcceptanceEstimate._checked(alpha, p_len_ge, min(1.0, alpha_first * first_scale))
 
 
 def _belief(estimate: AcceptanceEstimate) -> _Belief:
@@ -459,7 +479,7 @@ class RequestAcceptance:
         self.counts = OutcomeCounts(pool.config.max_k)
         self.steps_observed = 0
         self._cached: AcceptanceEstimate | None = None
-        self._cached_pool_version = -1
+        self._cached_for: tuple = ()  # (pool version, available, first_scale) of the cached estimate
 
     def observe(self, k: int, num_proposed: int, num_accepted: int, natural_k: int | None = None) -> None:
         """Update this request and its pool with one step's outcome (call ``pool.refresh`` after)."""
@@ -469,9 +489,7 @@ class RequestAcceptance:
             return
         self.steps_observed += 1
         self._cached = None
-        belief = pool.belief  # this request's posterior acceptances: the cheap part of ``estimate``
-        pool.observe(k, num_proposed, num_accepted, natural_k,
-                     self.counts.alphas(self.prior_strength, belief.alpha, belief.alpha_first))
+        pool.observe(k, num_proposed, num_accepted, natural_k, self.alphas())
 
     @property
     def prior_strength(self) -> float:
@@ -485,8 +503,17 @@ class RequestAcceptance:
         cfg = self.pool.config
         return min(cfg.request_prior_strength, cfg.cold_prior_strength + self.pool.evidence)
 
-    def estimate(self) -> AcceptanceEstimate:
-        if self._cached is None or self._cached_pool_version != self.pool.version:
-            self._cached = _posterior(self.pool.belief, self.prior_strength, self.counts)
-            self._cached_pool_version = self.pool.version
+    def alphas(self) -> tuple[float, float]:
+        """This request's posterior (alpha, alpha_first): the cheap part of ``estimate``."""
+        belief = self.pool.belief
+        return self.counts.alphas(self.prior_strength, belief.alpha, belief.alpha_first)
+
+    def estimate(self, available: int | None = None, first_scale: float = 1.0) -> AcceptanceEstimate:
+        """The posterior (planner/acceptance.py ``_posterior``); ``available``: drafts already
+        proposed this step (known lengths), ``first_scale``: the calibration factor. Kept until the
+        request or its pool's belief moves, or the question changes."""
+        key = (self.pool.version, available, first_scale)
+        if self._cached is None or self._cached_for != key:
+            self._cached = _posterior(self.pool.belief, self.prior_strength, self.counts, available, first_scale)
+            self._cached_for = key
         return self._cached

@@ -7,7 +7,8 @@ numbers). So the drafted requests accept fewer drafts than their estimates expec
 wipe out a small predicted gain (measured: reports/README.md#planner-measurements).
 No single request's posterior can see this; the planner can, by comparing over every drafted
 request-step the accepted drafts with the expected ones, and scaling what each draft is expected to
-yield by that ratio (``factor``) before the policy chooses.
+yield by that ratio (``factor``) before the policy chooses (the planner passes it to each request's
+estimate: planner/acceptance.py ``RequestAcceptance.estimate``).
 
 Worked example: the chosen drafts of the last steps were expected to yield 40 tokens and 32 were
 accepted. With the prior of 8 expected tokens at ratio 1, factor = (8 + 32) / (8 + 40) = 0.83, so
@@ -18,8 +19,6 @@ proportion: the factor scales ``alpha_first``, which scales every draft's gain).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from .acceptance import AcceptanceEstimate
 
 
 @dataclass(frozen=True)
@@ -66,9 +65,3 @@ class AcceptanceCalibration:
         cfg = self.config
         ratio = (cfg.prior_tokens + self.accepted) / (cfg.prior_tokens + self.expected)
         self.factor = max(cfg.min_factor, min(cfg.max_factor, ratio))
-
-    def apply(self, estimate: AcceptanceEstimate) -> AcceptanceEstimate:
-        """The estimate with every draft's gain scaled by the factor (through alpha_first)."""
-        if self.factor == 1.0:
-            return estimate
-        return estimate.with_first_acceptance(min(1.0, estimate.alpha_first * self.factor))

@@ -24,9 +24,24 @@ from .acceptance import (LOOKUP_PROPOSERS, AcceptanceConfig, AcceptanceEstimate,
 from .calibration import AcceptanceCalibration, CalibrationConfig
 from .confidence import ConfidenceCalibration, ConfidenceConfig, ConfidenceStop
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
+from .filler import filler
 from .goodput import draft_increment, marginal_token_price, priced_seconds
 from .policy import Outcome, Policy, PolicyState, RequestState, Roofline, StepPricing
 from .timing import StepTimingLearner, TimingConfig
+
+_request_state = filler(RequestState)  # built per request per step (planner/filler.py)
+
+
+def _uncalibrated_scale(estimate: AcceptanceEstimate, belief: RequestAcceptance, factor: float) -> float:
+    """What the gains of ``estimate`` are multiplied by to undo the calibration ``factor`` (every
+    gain is proportional to the first draft's acceptance, which the factor scaled): the
+    calibration compares accepted drafts with the uncalibrated expectation. 1 / factor unless the
+    scaled acceptance was capped at 1; then the request's own posterior says what it was."""
+    first = estimate.alpha_first
+    if first <= 0.0:
+        return 1.0  # every gain is 0 either way
+    return (belief.alphas()[1] if first >= 1.0 else first / factor) / first
+
 
 if TYPE_CHECKING:  # protocol and data types only; importing the engine package would import torch
     from ..engine.decider import StepOutline, StepRecord, StepView
@@ -114,7 +129,8 @@ class Planner:
         self.draft_slope = DraftSlope(config.draft_slope)
         # None: the policy sees each request's posterior as is (planner/calibration.py).
         self.calibration = AcceptanceCalibration(config.calibration) if config.calibration is not None else None
-        self._chosen_gains: dict[int, tuple[float, ...]] = {}  # seq_id -> last decided draft gains, uncalibrated
+        # seq_id -> the last decided draft gains, and what undoes their calibration (``_uncalibrated_scale``)
+        self._chosen_gains: dict[int, tuple[tuple[float, ...], float]] = {}
         self.confidence = ConfidenceCalibration(config.confidence) if config.confidence is not None else None
         self.draft_stop: ConfidenceStop | None = None  # the engine's StopsDrafts: the latest decision's rule
         self.roofline = roofline
@@ -262,20 +278,19 @@ class Planner:
         proposer = self.proposer or view.proposer
         planner_cap = self.config.max_k
         step = self._step
-        reqs, raw_estimates = [], []
+        # Each draft's gain scaled by what the chosen drafts have yielded against their estimates.
+        factor = self.calibration.factor if self.calibration is not None else 1.0
+        reqs, beliefs = [], []
         for rv in view.requests:
             t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
             t.last_seen_step = step
             acc = self.acceptance(t, rv.match_length)
-            estimate = acc.estimate()
-            if rv.available_drafts is not None:  # proposed before deciding (n-gram, suffix)
-                estimate = estimate.given_available(rv.available_drafts)
-            raw_estimates.append(estimate)
-            if self.calibration is not None:
-                estimate = self.calibration.apply(estimate)
-            reqs.append(RequestState(rv.seq_id, rv.request_id, max(0, min(rv.max_k, planner_cap)), rv.num_tokens,
-                                     estimate, t.last_outcome, acc.steps_observed, rv.greedy,
-                                     pool_evidence=acc.pool.evidence, looked_up=rv.available_drafts is not None))
+            beliefs.append(acc)
+            # available_drafts: proposed before deciding (n-gram, suffix), so their number is known.
+            estimate = acc.estimate(rv.available_drafts, factor)
+            reqs.append(_request_state(rv.seq_id, rv.request_id, max(0, min(rv.max_k, planner_cap)), rv.num_tokens,
+                                       estimate, t.last_outcome, acc.steps_observed, rv.greedy, acc.pool.evidence,
+                                       rv.available_drafts is not None))
         num_decodes = len(reqs)
         base = StepShape(num_decodes + view.num_prefill_seqs, num_decodes + view.num_prefill_tokens,
                          view.context_tokens)
@@ -290,8 +305,9 @@ class Planner:
         if (self.confidence is not None and getattr(self.policy, "stops_on_confidence", False)
                 and proposer not in LOOKUP_PROPOSERS and any(k and not r.looked_up for k, r in zip(ks, reqs))):
             ks, self.draft_stop = self._confident_drafts(state, ks)
-        if self.calibration is not None:
-            self._chosen_gains = {r.seq_id: e.gains for r, e, k in zip(reqs, raw_estimates, ks) if k}
+        if self.calibration is not None:  # what the chosen drafts were expected to yield, uncalibrated
+            self._chosen_gains = {r.seq_id: (r.acceptance.gains, _uncalibrated_scale(r.acceptance, acc, factor))
+                                  for r, acc, k in zip(reqs, beliefs, ks) if k}
         self.last_state, self.last_ks = state, ks
         self.num_decisions += num_decodes
         self.num_zero_decisions += ks.count(0)
@@ -329,9 +345,10 @@ class Planner:
             if confidence and self.confidence is not None:
                 self.confidence.observe(confidence, rr.num_accepted)
             if k > 0:
-                gains = self._chosen_gains.get(rr.seq_id)  # empty without calibration
-                if gains is not None:
-                    self.calibration.observe(sum(gains[:k]), rr.num_accepted)
+                chosen = self._chosen_gains.get(rr.seq_id)  # empty without calibration
+                if chosen is not None:
+                    gains, scale = chosen
+                    self.calibration.observe(sum(gains[:k]) * scale, rr.num_accepted)
                 t.last_outcome = Outcome(k, rr.num_proposed, rr.num_accepted)
                 total_drafts += k
                 deepest = max(deepest, k)

@@ -249,7 +249,7 @@ def main() -> None:
                               screen_reuse_steps=args.screen_reuse_steps)
     if args.cprofile:
         prof.disable()
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+        pstats.Stats(prof).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(35)
     stats = json.loads(json.dumps(drafter.stats.__dict__))
     report(stats, args.batch)
     warm = costs[len(costs) // 5:]

@@ -27,6 +27,7 @@ from specplan.planner.drift import DraftPrice, DraftSlope
 from specplan.planner.goodput import MIN_DRAFT_INCREMENT, priced_seconds
 from specplan.policies import make_policy
 from specplan.policies.goodput import GoodputPolicy, allocate
+from specplan.profiler.fit import HingeLatencyModel
 from specplan.profiler.latency_model import StepShape
 
 from conftest import RidgeLatency
@@ -152,14 +153,7 @@ def test_drafts_known_before_deciding_replace_the_learned_lengths():
     rare = AcceptanceEstimate(0.7, (0.2,) * 8, alpha_first=0.5)
     assert rare.given_available(3).p_len_ge == (1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     assert rare.given_available(3).gains[:4] == pytest.approx((0.5, 0.35, 0.245, 0.0))
-    # Derived once per argument: decide() asks again every step while the estimate is unchanged.
-    assert rare.given_available(3) is rare.given_available(3)
-    assert rare.given_available(3) is not rare.given_available(2)
-    assert rare.with_first_acceptance(0.4) is rare.with_first_acceptance(0.4)
-    assert rare.with_first_acceptance(0.4).gains[:2] == pytest.approx((0.08, 0.056))
-    for step in range(100):  # a calibration factor that moves every step does not pile up estimates
-        rare.with_first_acceptance(0.3 + step / 1000)
-    assert len(rare._derived) <= rare.max_k + 2
+    assert rare.given_available(9).p_len_ge == (1.0,) * 8 and rare.given_available(-1).p_len_ge == (0.0,) * 8
     cost = cost_for(RidgeLatency(a=1.0, b=0.2, ridge_tokens=2), 2, context=0)
     assert allocate([rare, rare], [8, 8], cost).ks == (0, 0)  # 0.1 tokens for 0.2 s: off
     known = allocate([rare.given_available(3), rare.given_available(0)], [3, 0], cost)
@@ -225,9 +219,7 @@ def test_allocation_matches_brute_force(seed):
                     model_drafted=drafted)
     sla = rng.choice([None, cost.seconds([0] * n) * rng.uniform(1.0, 2.0)])
     budget = rng.choice([None, None, 0, 1, 3])  # the engine's token budget left for drafts
-    # Branch and bound is exact for monotone step times; the exhaustive scan for any.
-    alloc = allocate(estimates, caps, cost, sla_itl_s=sla,
-                     assume_monotone=monotone or isinstance(latency, RidgeLatency), max_total_drafts=budget)
+    alloc = allocate(estimates, caps, cost, sla_itl_s=sla, max_total_drafts=budget)
     assert all(0 <= k <= c for k, c in zip(alloc.ks, caps))
     assert budget is None or sum(alloc.ks) <= budget
     assert step_goodput(estimates, alloc.ks, cost) == pytest.approx(alloc.goodput)
@@ -263,10 +255,10 @@ def test_best_allocation_seen_across_a_goodput_dip():
 
 
 def test_non_monotone_step_times_are_searched_exhaustively():
-    # A model whose time falls as tokens grow (a noisy measured table): with assume_monotone=False
-    # every total is tried and the dip at k = 4 is found.
+    # A model whose time falls as tokens grow (a noisy measured table): every total is weighed,
+    # and the dip at k = 4 is found.
     latency = TableLatency((0.03, 0.03, 0.06, 0.06, 0.06, 0.031, 0.2, 0.2, 0.2))
-    alloc = allocate([est(0.8)], [8], cost_for(latency, 1, context=0), assume_monotone=False)
+    alloc = allocate([est(0.8)], [8], cost_for(latency, 1, context=0))
     assert alloc.ks == (4,)
 
 
@@ -852,7 +844,9 @@ def test_decide_overhead_at_b64():
     is 0.9 yardsticks (~2.1 ms in a fast spell, where it reads ~0.65 of one; target 1 ms), timed interleaved with it."""
     rng = random.Random(10)
     alphas = [rng.uniform(0.4, 0.95) for _ in range(64)]
-    planner = Planner(make_policy("goodput"), RidgeLatency(a=0.03, b=2e-5, c=1e-9), config=PlannerConfig(max_k=8))
+    # The fitted form serving runs with (the profile's), which prices a whole curve of drafts at once.
+    latency = HingeLatencyModel(0.03, (0.0,), (2e-5,), per_context_token=1e-9, per_seq=0.0)
+    planner = Planner(make_policy("goodput"), latency, config=PlannerConfig(max_k=8))
     v = view(64)
     for _ in range(30):
         planner.observe(record(planner.decide(v), alphas, rng))
@@ -1082,17 +1076,41 @@ def test_planner_probe_on_a_truly_costly_draft_is_bounded_and_stops():
     assert price.slope > 1.2 and price.slope + price.jump / 0.1 > 1.5  # priced > 1.5x the model's ~+10%
 
 
+def test_request_estimate_with_known_lengths_and_calibration():
+    # What decide asks of a looked-up request in one step (drafts known, calibration factor) is
+    # the posterior with its lengths replaced and its first acceptance scaled, kept until the
+    # request, its pool or the question changes.
+    pool = PooledAcceptance(default_prior("ngram"), AcceptanceConfig(max_k=8))
+    request = RequestAcceptance(pool)
+    for accepted in (3, 0, 5):
+        request.observe(8, 8, accepted, 8)
+    posterior = request.estimate()
+    known = request.estimate(available=3, first_scale=0.8)
+    assert known == AcceptanceEstimate(posterior.alpha, (1.0,) * 3 + (0.0,) * 5, posterior.alpha_first * 0.8)
+    assert known.gains == pytest.approx(tuple(0.8 * g for g in posterior.given_available(3).gains))
+    assert request.estimate(available=3, first_scale=0.8) is known
+    assert request.estimate(available=2, first_scale=0.8) is not known
+    request.observe(3, 3, 3, 3)
+    assert request.estimate(available=3, first_scale=0.8) != known
+
+
 def test_acceptance_calibration_worked_example():
     # planner/calibration.py: 40 tokens expected, 32 accepted, 8 tokens of prior at ratio 1.
     cal = AcceptanceCalibration(CalibrationConfig(discount=1.0))
     cal.observe(expected=40.0, accepted=32)
     assert cal.factor == pytest.approx(40 / 48)
-    e = AcceptanceEstimate(0.8, (1.0,) * 4, 0.6)
-    assert cal.apply(e).gains == pytest.approx(tuple(g * 40 / 48 for g in e.gains))
-    assert cal.apply(e).alpha_first == pytest.approx(0.5)
+    # The planner hands the factor to each request's estimate: the first draft's acceptance
+    # 0.6 -> 0.5, and every gain with it.
+    prior = ProposerPrior(alpha=0.8, p_first=1.0, p_continue=1.0, alpha_first=0.6)
+    request = RequestAcceptance(PooledAcceptance(prior, AcceptanceConfig(max_k=4)))
+    e = request.estimate()
+    assert e.alpha_first == pytest.approx(0.6)
+    assert request.estimate(first_scale=cal.factor).gains == pytest.approx(tuple(g * 40 / 48 for g in e.gains))
+    assert request.estimate(first_scale=cal.factor).alpha_first == pytest.approx(0.5)
+    assert request.estimate(first_scale=2.0).alpha_first == 1.0  # capped
     cal.observe(expected=200.0, accepted=0)  # bounded: a run of rejections cannot switch drafting off for good
     assert cal.factor == 0.5
-    assert AcceptanceCalibration().apply(e) is e  # nothing observed: the posterior as is
+    assert AcceptanceCalibration().factor == 1.0  # nothing observed: the posterior as is
 
 
 def test_planner_calibrates_what_its_chosen_drafts_promise():
@@ -1140,3 +1158,15 @@ def test_planner_predicts_the_step_it_chose():
     without_model = Planner(make_policy("static:3"))
     without_model.decide(view(2))
     assert without_model.predicted_step_s is None
+
+
+def test_filler_builds_the_same_object_and_refuses_a_short_one():
+    from specplan.planner.filler import filler
+
+    make = filler(RequestRecord)
+    built = make(3, "r", 4, 4, 2, 3, 8, 5, None, False)
+    assert built == RequestRecord(3, "r", 4, 4, 2, 3, 8, 5) and built.stop_rule is False
+    with pytest.raises(TypeError, match="takes 10 fields"):
+        make(3, "r", 4, 4, 2, 3, 8, 5)  # a field left out would be missing, not its default
+    with pytest.raises(TypeError, match="__post_init__"):
+        filler(AcceptanceEstimate)

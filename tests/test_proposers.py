@@ -10,6 +10,7 @@ import pytest
 
 from specplan.engine import DraftTokens, DraftTree, NgramProposer, Proposer
 from specplan.engine.proposers.suffix import SuffixProposer, context_lengths
+from specplan.engine.proposers.ngram import NgramIndex
 from specplan.engine import SamplingParams, Sequence
 
 
@@ -148,6 +149,26 @@ def test_ngram_incremental_matches_fresh_and_reference(min_n, max_n):
         assert got == fresh == (ngram_reference(seq.token_ids, k, min_n, max_n) if k else [])
         if rng.random() < 0.2:  # the list did not grow between two calls
             assert inc.propose([seq], [k]).token_ids[0] == got
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3)])
+def test_ngram_index_grown_in_chunks_equals_one_token_at_a_time(min_n, max_n):
+    # Chunks of 9 and more new tokens (a prompt, a long accepted run) are indexed a whole n at a
+    # time; the index must be the one a token at a time builds (the most recent end per key).
+    rng = random.Random(max_n)
+    for _ in range(30):
+        text = [rng.randrange(4) for _ in range(rng.randint(1, 120))]  # 4 symbols: keys recur
+        chunked, single = NgramIndex([], min_n, max_n), NgramIndex([], min_n, max_n)
+        pos = 0
+        while pos < len(text):
+            step = rng.choice([1, 2, 8, 9, 30])
+            chunked.toks.extend(text[pos:pos + step])
+            chunked.update()
+            for t in text[pos:pos + step]:
+                single.toks.append(t)
+                single.update()
+            pos += step
+            assert chunked._index == single._index and chunked.match() == single.match()
 
 
 def test_ngram_batch_and_rebuild_and_finish():

@@ -202,7 +202,7 @@ def test_fast_built_views_and_records_equal_the_engines():
     from specplan.integrations.vllm import _request_record, _request_view
 
     assert _request_view(3, "", 100, 10, 4, True, 4, 7) == RequestView(3, "", 100, 10, 4, True, 4, 7)
-    record = _request_record(3, "", 4, 4, 2, 3, 8, 7)
+    record = _request_record(3, "", 4, 4, 2, 3, 8, 7, None, False)  # every field: none is left to a default
     assert record == RequestRecord(3, "", 4, 4, 2, 3, 8, 7) and record.accepted_per_position == (True, True, False, False)
 
 

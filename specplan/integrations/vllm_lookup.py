@@ -15,6 +15,7 @@ from typing import Protocol
 
 from specplan.engine.proposers.ngram import NgramIndex
 from specplan.engine.proposers.suffix import SuffixProposer
+from specplan.planner.filler import filler
 
 from .vllm_rows import TrackedRequest
 
@@ -26,6 +27,7 @@ class Found:
 
 
 NOTHING = Found([], 0, 0)
+_found = filler(Found)  # one per request per step (planner/filler.py)
 
 
 class Lookup(Protocol):
@@ -62,7 +64,7 @@ class NgramLookup:
             if index is None:
                 index = indexes[t.seq_id] = NgramIndex(t.toks, self.min_n, self.max_n, self.max_match_length)
             drafts, available, match_length = index.lookup(cap)
-            out.append(Found(drafts, min(available, self.max_natural_k), match_length) if drafts else NOTHING)
+            out.append(_found(drafts, min(available, self.max_natural_k), match_length) if drafts else NOTHING)
         return out
 
     def forget(self, request: TrackedRequest) -> None:
@@ -81,7 +83,7 @@ class SuffixLookup:
 
     def lookup(self, requests: list[TrackedRequest], caps: list[int]) -> list[Found]:
         answer = self.proposer.propose(requests, caps)  # TrackedRequest reads as an engine Sequence
-        return [Found(drafts, natural, matched) if drafts else NOTHING
+        return [_found(drafts, natural, matched) if drafts else NOTHING
                 for drafts, natural, matched in zip(answer.token_ids, answer.natural_k, answer.match_length)]
 
     def forget(self, request: TrackedRequest) -> None:
