@@ -841,7 +841,7 @@ def _yardstick_s() -> float:
 def test_decide_overhead_at_b64():
     """decide() at B = 64, max_k = 8, in the costly case: memory-bound (every draft is worth
     considering) and every request's estimate refreshed by an observe between calls. Its budget
-    is 0.9 yardsticks (~2.1 ms in a fast spell, where it reads ~0.65 of one; target 1 ms), timed interleaved with it."""
+    is 0.9 yardsticks (~2.1 ms in a fast spell, where it reads ~0.7 of one; target 1 ms), timed interleaved with it."""
     rng = random.Random(10)
     alphas = [rng.uniform(0.4, 0.95) for _ in range(64)]
     # The fitted form serving runs with (the profile's), which prices a whole curve of drafts at once.
