@@ -47,9 +47,24 @@ class TargetText:
         self.prompt_len = prompt_len
 
 
+def yardstick_s() -> float:
+    """Seconds of a fixed piece of plain Python shaped like the plugin's work (a dict per item, a
+    keyed sort): timed beside every call, it turns the plugin's milliseconds into a ratio that
+    holds while the VM's speed moves 1.5x between minutes, so two source trees measured in turn
+    compare (12.0 -> 9.8 yardsticks at B = 32 for the planner's 2026-11-27 speed-ups)."""
+    xs = [((i * 7919) % 1000) / 1000 for i in range(256)]
+    t0 = time.perf_counter()
+    for _ in range(4):
+        {i: (x, x * 2) for i, x in enumerate(xs)}
+        sorted(range(len(xs)), key=xs.__getitem__, reverse=True)
+    return time.perf_counter() - t0
+
+
 def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer: str,
-             seed: int = 0, screen_reuse_steps: int | None = None) -> tuple[PlanningDrafter, list[float]]:
-    """Drive the drafter as vLLM would: B rows, greedy verification against each row's target."""
+             seed: int = 0, screen_reuse_steps: int | None = None, yardstick: list[float] | None = None
+             ) -> tuple[PlanningDrafter, list[float]]:
+    """Drive the drafter as vLLM would: B rows, greedy verification against each row's target.
+    ``yardstick``: a list to append ``yardstick_s()`` to after every call."""
     from specplan.profiler.fit import HingeLatencyModel
     from specplan.profiler.latency_model import StepShape
 
@@ -91,6 +106,8 @@ def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer:
         t0 = time.perf_counter()
         drafts = drafter.propose(sampled, lens, token_ids)
         costs.append(time.perf_counter() - t0)
+        if yardstick is not None:
+            yardstick.append(yardstick_s())
         width = sum(1 + len(d) for d in drafts)
         sim_now[0] += latency.predict(StepShape(batch, width, int(lens.sum()) + width))
         sampled = []
@@ -245,8 +262,9 @@ def main() -> None:
 
         prof = cProfile.Profile()
         prof.enable()
+    yard: list[float] = []
     drafter, costs = simulate(args.batch, args.steps, args.policy, args.profile, args.proposer,
-                              screen_reuse_steps=args.screen_reuse_steps)
+                              screen_reuse_steps=args.screen_reuse_steps, yardstick=yard)
     if args.cprofile:
         prof.disable()
         pstats.Stats(prof).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(35)
@@ -258,7 +276,8 @@ def main() -> None:
         for name, (calls, seconds) in timers.items():
             print(f"  {name:38s} {1e3 * seconds / args.steps:7.3f} ms  ({calls / args.steps:.1f} calls per step)")
     print(f"offline, warm calls: median {1e3 * statistics.median(warm):.3f} ms, "
-          f"p90 {1e3 * sorted(warm)[int(0.9 * len(warm))]:.3f} ms")
+          f"p90 {1e3 * sorted(warm)[int(0.9 * len(warm))]:.3f} ms; "
+          f"{statistics.median(warm) / statistics.median(yard[len(yard) // 5:]):.2f} yardsticks (yardstick_s)")
 
 
 if __name__ == "__main__":
