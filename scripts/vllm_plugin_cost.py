@@ -133,8 +133,6 @@ PLANNER_FUNCTIONS = (
     ("specplan.planner.controller", "Planner", "_pricing"),
     ("specplan.planner.controller", "Planner", "acceptance"),
     ("specplan.planner.acceptance", "RequestAcceptance", "estimate"),
-    ("specplan.planner.acceptance", "AcceptanceEstimate", "given_available"),
-    ("specplan.planner.calibration", "AcceptanceCalibration", "apply"),
     ("specplan.policies.goodput", "GoodputPolicy", "choose"),
     ("specplan.policies.goodput", None, "allocate"),
     ("specplan.policies.goodput", "GoodputPolicy", "_slow_start"),

@@ -21,7 +21,7 @@ from specplan.engine import RequestRecord, RequestView, SpecDecider, StepOutline
 from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, DraftSlopeConfig, DriftCorrection, Planner,
                               PlannerConfig, PolicyState, PooledAcceptance, RequestAcceptance, RequestState,
                               StepCostModel, StepPricing, StepTimingLearner, expected_tokens, step_goodput)
-from specplan.planner.acceptance import MAX_MATCH_BUCKET, ProposerPrior, default_prior, match_bucket
+from specplan.planner.acceptance import MAX_MATCH_BUCKET, ProposerPrior, default_prior, exact_length, match_bucket
 from specplan.planner.calibration import AcceptanceCalibration, CalibrationConfig
 from specplan.planner.drift import DraftPrice, DraftSlope
 from specplan.planner.goodput import MIN_DRAFT_INCREMENT, priced_seconds
@@ -151,12 +151,13 @@ def test_drafts_known_before_deciding_replace_the_learned_lengths():
     # Learned: proposals are rare (P(len >= 1) = 0.2), so a first draft is worth 0.2 * 0.5 = 0.1
     # tokens. Known this step: request 0 has 3 drafts (worth 0.5, 0.35, 0.245), request 1 none.
     rare = AcceptanceEstimate(0.7, (0.2,) * 8, alpha_first=0.5)
-    assert rare.given_available(3).p_len_ge == (1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    assert rare.given_available(3).gains[:4] == pytest.approx((0.5, 0.35, 0.245, 0.0))
-    assert rare.given_available(9).p_len_ge == (1.0,) * 8 and rare.given_available(-1).p_len_ge == (0.0,) * 8
+    assert exact_length(3, 8) == (1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert exact_length(9, 8) == (1.0,) * 8 and exact_length(-1, 8) == (0.0,) * 8
+    three, none = (AcceptanceEstimate(rare.alpha, exact_length(n, 8), rare.alpha_first) for n in (3, 0))
+    assert three.gains[:4] == pytest.approx((0.5, 0.35, 0.245, 0.0))
     cost = cost_for(RidgeLatency(a=1.0, b=0.2, ridge_tokens=2), 2, context=0)
     assert allocate([rare, rare], [8, 8], cost).ks == (0, 0)  # 0.1 tokens for 0.2 s: off
-    known = allocate([rare.given_available(3), rare.given_available(0)], [3, 0], cost)
+    known = allocate([three, none], [3, 0], cost)
     assert known.ks == (1, 0)  # 2.5 / 1.2 = 2.08 beats off (2.0) and two drafts (2.85 / 1.4 = 2.04)
     # The planner applies what the engine shows.
     planner = Planner(make_policy("goodput"), RidgeLatency(a=1.0, b=0.2, ridge_tokens=2))
@@ -1087,7 +1088,8 @@ def test_request_estimate_with_known_lengths_and_calibration():
     posterior = request.estimate()
     known = request.estimate(available=3, first_scale=0.8)
     assert known == AcceptanceEstimate(posterior.alpha, (1.0,) * 3 + (0.0,) * 5, posterior.alpha_first * 0.8)
-    assert known.gains == pytest.approx(tuple(0.8 * g for g in posterior.given_available(3).gains))
+    assert known.gains == pytest.approx(tuple(0.8 * posterior.alpha_first * posterior.alpha ** j if j < 3 else 0.0
+                                              for j in range(8)))
     assert request.estimate(available=3, first_scale=0.8) is known
     assert request.estimate(available=2, first_scale=0.8) is not known
     request.observe(3, 3, 3, 3)
