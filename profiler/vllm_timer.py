@@ -25,7 +25,7 @@ a second): a cell's widths stop at ``max_tokens_per_step`` query tokens (at B = 
 tokens a step, 2.3 s of vLLM-CPU, where the step is compute-bound and the fit's last slope
 carries on); a cell's prompts hold at most ``max_prompt_tokens`` in all (B = 32 runs at 256 tokens
 of context instead of 512); and every cell's prompts are prefixes of one set of random prompts,
-run longest context and largest batch first with vLLM's prefix cache on, so each prompt token
+run largest batch and longest context first with vLLM's prefix cache on, so each prompt token
 is prefilled once, not once per cell (a cell's requests never share a block with each other, so
 its steps read as much KV as distinct prompts would).
 
@@ -72,6 +72,13 @@ def vllm_env_defaults(device: str) -> dict[str, str]:
     again: 165 s on this project's 2-core VM. With ahead-of-time compilation off, vLLM's own
     compile cache loads on the next start (47 s of warm-up instead; the first start still compiles)."""
     return {"VLLM_USE_AOT_COMPILE": "0"} if device == "cpu" else {}
+
+
+def set_vllm_env_defaults() -> None:
+    """``vllm_env_defaults`` of this vLLM's device into os.environ where unset: call it before a
+    vLLM engine starts in this process (its engine core inherits the environment)."""
+    for name, value in vllm_env_defaults(vllm_device()).items():
+        os.environ.setdefault(name, value)
 
 
 def vllm_kernels(version: str, device: str) -> str:
@@ -203,10 +210,12 @@ class VllmGrid:
         return min(context, max(min(self.contexts), self.max_prompt_tokens // batch))
 
     def cells(self) -> list[tuple[int, int]]:
-        """(batch, context) in the order they run: longest context and largest batch first, so
-        that a cell's prompts are prefixes of prompts that already ran (vLLM's prefix cache)."""
-        cells = [(b, self.context_at(b, ctx)) for ctx in sorted(self.contexts, reverse=True)
-                 for b in sorted(self.batch_sizes, reverse=True)]
+        """(batch, context) in the order they run: largest batch and longest context first, so
+        that a cell's prompts are prefixes of prompts that already ran (vLLM's prefix cache), and
+        a batch size's contexts back to back: what a context costs is read from steps a minute
+        apart, not from the two halves of the run (the engine's profiler, run.py, learned this)."""
+        cells = [(b, self.context_at(b, ctx)) for b in sorted(self.batch_sizes, reverse=True)
+                 for ctx in sorted(self.contexts, reverse=True)]
         return sorted(set(cells), key=cells.index)
 
     def steps_at(self, batch: int) -> int:
@@ -256,8 +265,7 @@ def measure_vllm_grid(model_dir: Path, grid: VllmGrid, *, vocab_size: int, kv_by
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    for name, value in vllm_env_defaults(vllm_device()).items():
-        os.environ.setdefault(name, value)
+    set_vllm_env_defaults()
     ks = [t - 1 for t in grid.tokens_per_seq]
     out = Path(tempfile.mkdtemp(prefix="specplan-vllm-timing-")) / "steps.jsonl"
     os.environ[TIMING_OUT_ENV] = str(out)

@@ -40,6 +40,26 @@ def test_fit_recovers_known_function():
     assert flat < 2e-3 and steep == pytest.approx(32 * 0.0015, rel=0.05)
 
 
+def test_fit_prices_drafts_by_their_context():
+    """Attention scores every query token against its sequence's context: with that term in the
+    step time, a draft costs more at a long context, and the fit (N * C / B) recovers it; the
+    terms without it put one price on a draft at every context (profiler/fit.py)."""
+    def attention_bound(shape: StepShape) -> float:
+        return synthetic(shape) + 2e-8 * shape.num_tokens * shape.context_tokens / shape.num_seqs
+
+    shapes, _ = grid()
+    model = fit_latency_model(shapes, [attention_bound(s) for s in shapes])
+    assert model.per_query_context == pytest.approx(2e-8, rel=0.05)
+    for ctx in (128, 1024):  # one draft per request at B = 16
+        plain, drafted = StepShape(16, 16, 16 * ctx), StepShape(16, 32, 16 * (ctx + 1))
+        measured = attention_bound(drafted) - attention_bound(plain)
+        assert model.predict(drafted) - model.predict(plain) == pytest.approx(measured, rel=0.02)
+    assert fit_latency_model(*grid()).per_query_context < 1e-10  # none where the data has none
+    # A profile saved before the term existed reads as it was fitted.
+    old = {k: v for k, v in model.to_dict().items() if k != "per_query_context"}
+    assert HingeLatencyModel.from_dict(old).per_query_context == 0.0
+
+
 def test_heldout_error_small_with_noise():
     shapes, secs = grid(noise=0.02)
     err, held = heldout_error(shapes, secs)
@@ -60,7 +80,8 @@ def test_predict_many_agrees_with_predict(seed):
     rng = random.Random(seed)
     knots = tuple(rng.sample([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0], rng.randint(1, 8)))
     model = HingeLatencyModel(rng.uniform(0, 0.05), knots, tuple(rng.uniform(0, 1e-3) for _ in knots),
-                              rng.uniform(0, 1e-6), rng.uniform(0, 1e-3), rng.choice([0.0, 0.004]))
+                              rng.uniform(0, 1e-6), rng.uniform(0, 1e-3), rng.choice([0.0, 0.004]),
+                              rng.choice([0.0, 1e-8]))
     num_seqs = rng.randint(1, 64)
     tokens = np.arange(0, 600)
     context = tokens * 3 + rng.randint(0, 10_000)

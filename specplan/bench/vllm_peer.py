@@ -181,6 +181,7 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
     from transformers import AutoTokenizer
 
     from specplan.engine.model.loader import hf_model_dir
+    from specplan.profiler.vllm_timer import set_vllm_env_defaults
 
     model_dir, _ = hf_model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -188,6 +189,7 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
              for w in workloads}
     longest = max(len(p) for pool in pools.values() for p in pool)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    set_vllm_env_defaults()
     arms: list = [LoadedArm(a, model_dir, max(batch_sizes), longest + max_tokens + 64, seed, enforce_eager)
                   for a in vllm_arms(static_ks, policies, profile, table=table)]
     arms.append(NullControl(arms[0]))
