@@ -11,10 +11,11 @@ tokens read) prices attention's reads and d per-sequence overhead. N * C / B is 
 arithmetic: every query token of a sequence scores its whole context, so with drafts spread
 evenly it is the query tokens times the mean context. Without it a draft cost the same at any
 context: a vLLM-CPU quick profile that timed T = 1-3 at B = 16 read one draft per request as 36%
-of a step at 128 tokens of context and 55% at 512, and the fit without the term as 32% and 20%. The jump j exists because CPU GEMM
-libraries have a fast matrix-vector path for a single row: on this machine a step of 2 tokens
-costs ~1.5x a step of 1, then the curve is flat again for a while. Fitted by non-negative least squares
-on relative error (each row divided by its measured time), so fast and slow cells count alike.
+of a step at 128 tokens of context and 55% at 512, and the fit without the term as 32% and 20%.
+The jump j exists because CPU GEMM libraries have a fast matrix-vector path for a single row: on
+this machine a step of 2 tokens costs ~1.5x a step of 1, then the curve is flat again for a
+while. Fitted by non-negative least squares on relative error (each row divided by its measured
+time), so fast and slow cells count alike.
 """
 
 from __future__ import annotations

@@ -287,9 +287,9 @@ def measure_vllm_grid(model_dir: Path, grid: VllmGrid, *, vocab_size: int, kv_by
         fresh = sum(context + 1 - min(ran[i], context) // block * block for i in range(batch))
         return grid.steps_at(batch) + -(-fresh // budget) + 2
 
-    # Random drafts are (almost) never accepted: a request grows by about one token a step.
-    longest = max(grid.steps_at(b) + -(-b * (ctx + 1) // budget) + 2 for b, ctx in grid.cells())
-    max_len = max_ctx + 1 + longest + max_t + 64
+    # Random drafts are (almost) never accepted: a request grows by about one token a step (and
+    # no cell runs longer than with nothing cached, as now).
+    max_len = max_ctx + 1 + max(max_tokens(b, ctx) for b, ctx in grid.cells()) + max_t + 64
     # What the grid holds at once, and the prompts kept in the prefix cache beside it; 1.5x, rounded up.
     held = max_b * max_len + max_b * max_ctx
     kv_gib = -(-3 * held * kv_bytes_per_token // (2 * 2**30))
