@@ -47,17 +47,18 @@ def _median_seconds(fn, repeats: int, device: torch.device, warmup: bool = True)
 
 
 def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                       n: int = 1536, repeats: int = 7) -> float:
+                       n: int = 1536, repeats: int = 7, engine_kernels: bool = True) -> float:
     """Matmul FLOP/s: the faster of torch's square n x n product and the engine's own projection
     kernel at 256 rows (on CPU it beats MKL, so torch alone would put the ceiling below what
-    the engine reaches), each the median of repeats."""
+    the engine reaches), each the median of repeats. ``engine_kernels=False``: torch's alone
+    (another engine's ceilings; the engine's kernels are then neither built nor loaded)."""
     from specplan.engine.model.linear import make_linear, packed_available
 
     device = torch.device(device)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), repeats, device)
-    if packed_available(device, dtype):
+    if engine_kernels and packed_available(device, dtype):
         rows, k = 256, 1024
         linear = make_linear(torch.randn(n, k, device=device, dtype=dtype), packed=True)
         x = torch.randn(rows, k, device=device, dtype=dtype)
@@ -75,7 +76,7 @@ class BandwidthProbe:
     times: on a shared VM it moves by 2x within minutes, and a floor from another minute than the
     step is no floor for it."""
 
-    def __init__(self, device: torch.device | str = "cpu", megabytes: int = 512):
+    def __init__(self, device: torch.device | str = "cpu", megabytes: int = 512, engine_kernels: bool = True):
         from specplan.engine.model.huge_pages import huge_page_zeros
         from specplan.engine.model.linear import make_linear, move_to_huge_pages, packed_available
 
@@ -85,7 +86,7 @@ class BandwidthProbe:
         self.buffer = (huge_page_zeros((numel,), torch.float32) if self.device.type == "cpu"
                        else torch.zeros(numel, device=self.device)).fill_(1.0)
         self.linear = self.row = None
-        if packed_available(self.device, torch.float32):
+        if engine_kernels and packed_available(self.device, torch.float32):
             k = 4096
             self.linear = make_linear(torch.empty(numel // k, k, device=self.device).normal_(), packed=True)
             move_to_huge_pages([self.linear])
@@ -109,10 +110,13 @@ def measure_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, 
 
 
 def measure_ceilings(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                     repeats: int = 7, probe: BandwidthProbe | None = None) -> Ceilings:
+                     repeats: int = 7, probe: BandwidthProbe | None = None, engine_kernels: bool = True) -> Ceilings:
+    """The ceilings of this device; ``engine_kernels=False``: as torch alone reaches them (another
+    engine's profile: vLLM runs its own kernels, and building the engine's would cost a compile)."""
     device = torch.device(device)
+    probe = probe or BandwidthProbe(device, engine_kernels=engine_kernels)
     return Ceilings(
-        peak_flops=measure_peak_flops(device, dtype, repeats=repeats),
+        peak_flops=measure_peak_flops(device, dtype, repeats=repeats, engine_kernels=engine_kernels),
         bandwidth=measure_bandwidth(device, repeats=repeats, probe=probe),
         device=str(device), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
     )

@@ -25,9 +25,11 @@ def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int, weight_
 
 
 def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedModel, path: Path, command: str,
-                          seconds: float, quick: bool, weight_itemsize: float | None = None) -> Path:
+                          seconds: float, quick: bool, weight_itemsize: float | None = None,
+                          phases: dict[str, float] | None = None) -> Path:
     """The profile's Markdown report and plots. ``weight_itemsize``: bytes per weight when the
-    weights are another engine's (run.py ``build_profile``; default: what ``loaded`` holds)."""
+    weights are another engine's (run.py ``build_profile``; default: what ``loaded`` holds);
+    ``phases``: where the seconds went (name -> seconds), listed after them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,7 +88,8 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
     lines = [
         f"# Profile: {loaded.name} on {profile.fingerprint.device} ({profile.fingerprint.cpu})", "",
         f"Made by `{command}` in {seconds:.0f} s ({'quick' if quick else 'full'} grid, {f.num_cells} cells; "
-        f"{profile.fingerprint.threads} threads, torch {profile.fingerprint.torch_version}, {profile.fingerprint.dtype}).",
+        f"{profile.fingerprint.threads} threads, torch {profile.fingerprint.torch_version}, {profile.fingerprint.dtype})"
+        + ("; of the time: " + ", ".join(f"{name} {s:.0f} s" for name, s in phases.items()) if phases else "") + ".",
         "", f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. {describe(machine_info())}",
         "", "## Ceilings", "",
         f"- peak matmul: {c.peak_flops / 1e9:.0f} GFLOP/s; read bandwidth: {c.bandwidth / 1e9:.1f} GB/s; "

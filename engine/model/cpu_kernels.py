@@ -7,16 +7,19 @@ Ops: ``torch.ops.specplan_attn.paged_attention_cpu`` (engine/model/attention_cpu
 chains them over a model's decoder layers (engine/model/transformer.py). The extension compiles once
 (about 20-40 s on 2 cores) and is cached by torch.utils.cpp_extension under
 ``$SPECPLAN_CACHE/torch_extensions`` when SPECPLAN_CACHE is set, else torch's default extensions
-directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``); later processes only load
-the cached library. Without a compiler, or with ``SPECPLAN_CPU_KERNELS=0``, ``load`` returns
-False (one warning) and the engine falls back to torch ops everywhere.
+directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), one build per Python
+environment; later processes only load the cached library. Without a compiler, or with
+``SPECPLAN_CPU_KERNELS=0``, ``load`` returns False (one warning) and the engine falls back to torch
+ops everywhere.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -105,14 +108,17 @@ def _compile() -> None:
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
     name, cflags = build_config()
-    build_dir = None
-    if os.environ.get("SPECPLAN_CACHE"):
-        build_dir = Path(os.environ["SPECPLAN_CACHE"]) / "torch_extensions" / name
-        build_dir.mkdir(parents=True, exist_ok=True)
+    root = (Path(os.environ["SPECPLAN_CACHE"]) / "torch_extensions" if os.environ.get("SPECPLAN_CACHE")
+            else Path(cpp_extension.get_default_build_root()))
+    # One build per Python environment: two (specplan's own and vLLM's, as the README sets them up)
+    # compile against torches in different places, and sharing one directory made each rebuild it
+    # (~40 s) whenever the other had run since.
+    build_dir = root / f"{name}-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("loading CPU kernels %s (compiles on first use)", name)
     cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=cflags,
-                       extra_ldflags=["-fopenmp"], build_directory=None if build_dir is None else str(build_dir),
-                       is_python_module=False, verbose=False)
+                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
+                       verbose=False)
     if not _ops_registered():
         raise RuntimeError(f"extension {name} loaded but its ops are not registered")
 
@@ -123,8 +129,6 @@ def build_id() -> str:
     code are not reused silently."""
     if not load():
         return "torch"
-    import hashlib
-
     files = sorted(_SOURCES + _HEADERS + _STEP_SOURCES)
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:8]
     return f"{build_config()[0].removeprefix('specplan_cpu_kernels_')}-{digest}"
