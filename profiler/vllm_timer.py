@@ -143,14 +143,12 @@ class ForcedDrafts:
                 # committed tokens, the one the step fed included.
                 "context_tokens": int(np.asarray(num_tokens_no_spec[:rows]).sum()),
             }) + "\n")
-        # A new cell starts after a step that was not this batch decoding at the forced width: a
-        # prompt (chunk) ran in it, and some rows may still be prefilling (no drafts for them yet).
-        if decoding < rows or (query_tokens is not None and query_tokens != rows * (1 + self._k)):
-            c = 0
-        if decoding < rows:
+        if decoding < rows:  # a cell's prompts are still prefilling: no drafts, its cycle starts after
             self.calls, self._k, self._cycle = 0, 0, 1
             self._end = time.perf_counter()
             return [[] for _ in range(rows)]
+        if query_tokens is not None and query_tokens != rows * (1 + self._k):
+            c = 0  # the step just run carried prompt tokens (a new cell's, all cached): its cycle starts now
         ks = cell_ks(self.ks, rows, self.max_tokens_per_step)
         k = ks[c % len(ks)]
         drafts = self.rng.integers(0, self.vocab, size=(rows, k)).tolist() if k else [[] for _ in range(rows)]
@@ -289,8 +287,8 @@ def measure_vllm_grid(model_dir: Path, grid: VllmGrid, *, vocab_size: int, kv_by
         fresh = sum(context + 1 - min(ran[i], context) // block * block for i in range(batch))
         return grid.steps_at(batch) + -(-fresh // budget) + 2
 
-    # Random drafts are (almost) never accepted: a request grows by about one token a step (and
-    # no cell runs longer than with nothing cached, as now).
+    # Random drafts are (almost) never accepted: a request grows by about one token a step. Before
+    # any cell ran nothing is cached, so max_tokens is each cell's longest here.
     max_len = max_ctx + 1 + max(max_tokens(b, ctx) for b, ctx in grid.cells()) + max_t + 64
     # What the grid holds at once, and the prompts kept in the prefix cache beside it; 1.5x, rounded up.
     held = max_b * max_len + max_b * max_ctx
