@@ -343,15 +343,27 @@ def _posterior(prior: _Belief, strength: float, counts: OutcomeCounts, available
     request every step, hence the C-level itertools."""
     alpha, alpha_first = counts.alphas(strength, prior.alpha, prior.alpha_first)
     if available is not None:
-        p_len_ge = exact_length(available, counts.max_k)
-    else:
-        scale = counts._scale
-        # proven[j - 1]: stored observations proving length >= j (a suffix sum of the histogram).
-        proven = list(accumulate(reversed(counts._at_least[1:])))[::-1]
-        pseudo = strength / scale  # in stored units, so the scale cancels
-        cont = [(pseudo * p + r) / (pseudo + r + x) for p, r, x in zip(prior.p_continue, proven, counts._stopped)]
-        p_len_ge = tuple(accumulate(cont, mul))
+        return _exact_estimate(alpha, min(1.0, alpha_first * first_scale), available, counts.max_k)
+    scale = counts._scale
+    # proven[j - 1]: stored observations proving length >= j (a suffix sum of the histogram).
+    proven = list(accumulate(reversed(counts._at_least[1:])))[::-1]
+    pseudo = strength / scale  # in stored units, so the scale cancels
+    cont = [(pseudo * p + r) / (pseudo + r + x) for p, r, x in zip(prior.p_continue, proven, counts._stopped)]
+    p_len_ge = tuple(accumulate(cont, mul))
     return AcceptanceEstimate._checked(alpha, p_len_ge, min(1.0, alpha_first * first_scale))
+
+
+def _exact_estimate(alpha: float, alpha_first: float, available: int, max_k: int) -> AcceptanceEstimate:
+    """``AcceptanceEstimate._checked(alpha, exact_length(available, max_k), alpha_first)``, built
+    without multiplying by the survival's 1s and 0s: the gains are alpha_first * alpha^(j - 1) up
+    to ``available`` and 0 after (the same floats: x * 1.0 is x). Every lookup-served request
+    takes this path every step."""
+    n = max(0, min(available, max_k))
+    e = object.__new__(AcceptanceEstimate)
+    reach = tuple(accumulate(repeat(alpha, n - 1), mul, initial=alpha_first)) if n else ()
+    e.__dict__.update(alpha=alpha, p_len_ge=exact_length(n, max_k), alpha_first=alpha_first,
+                      gains=reach + (0.0,) * (max_k - n))
+    return e
 
 
 def _belief(estimate: AcceptanceEstimate) -> _Belief:

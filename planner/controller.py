@@ -30,6 +30,7 @@ from .policy import Outcome, Policy, PolicyState, RequestState, Roofline, StepPr
 from .timing import StepTimingLearner, TimingConfig
 
 _request_state = filler(RequestState)  # built per request per step (planner/filler.py)
+_outcome = filler(Outcome)
 
 
 def _uncalibrated_scale(estimate: AcceptanceEstimate, belief: RequestAcceptance, factor: float) -> float:
@@ -281,10 +282,11 @@ class Planner:
         # Each draft's gain scaled by what the chosen drafts have yielded against their estimates.
         factor = self.calibration.factor if self.calibration is not None else 1.0
         reqs, beliefs = [], []
+        tracked = self._requests
         for rv in view.requests:
-            t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
+            t = tracked.get(rv.seq_id) or self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
             t.last_seen_step = step
-            acc = self.acceptance(t, rv.match_length)
+            acc = t.by_match.get(match_bucket(rv.match_length)) or self.acceptance(t, rv.match_length)
             beliefs.append(acc)
             # available_drafts: proposed before deciding (n-gram, suffix), so their number is known.
             estimate = acc.estimate(rv.available_drafts, factor)
@@ -333,9 +335,10 @@ class Planner:
         proposer = self.proposer or (self.last_state.proposer if self.last_state is not None else "unknown")
         touched = set()
         total_drafts = deepest = 0
+        tracked = self._requests
         for rr in record.requests:
-            t = self._tracked(rr.seq_id, rr.request_id, proposer)
-            acc = self.acceptance(t, rr.match_length)
+            t = tracked.get(rr.seq_id) or self._tracked(rr.seq_id, rr.request_id, proposer)
+            acc = t.by_match.get(match_bucket(rr.match_length)) or self.acceptance(t, rr.match_length)
             # Under a confidence stop a short draft is the stop rule's choice, not the proposer
             # running out: the request is read as having asked for what it drafted.
             k = rr.num_proposed if getattr(rr, "stop_rule", False) else rr.k
@@ -349,7 +352,7 @@ class Planner:
                 if chosen is not None:
                     gains, scale = chosen
                     self.calibration.observe(sum(gains[:k]) * scale, rr.num_accepted)
-                t.last_outcome = Outcome(k, rr.num_proposed, rr.num_accepted)
+                t.last_outcome = _outcome(k, rr.num_proposed, rr.num_accepted)
                 total_drafts += k
                 deepest = max(deepest, k)
         for p in touched:

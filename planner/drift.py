@@ -146,10 +146,17 @@ class _Bucket:
     plain_w: float = 0.0  # discounted count of plain steps: how fresh the baseline is
     evidence: float = 0.0  # sum of x^2 over steps with drafts, discounted only by such steps
     recent: list = field(default_factory=list)  # the latest steps' log(z / predicted z), raw (``_robust``)
+    # The fit of the sums as they are (``DraftSlope._solve``), until ``_add`` changes them: a
+    # step asks for it up to three times (its decision's price, its observation's outlier filter
+    # and price), and nothing moves it in between.
+    solved: tuple[float, float, float] | None = None
 
     def sums(self) -> dict:
-        """The fit's discounted sums (what the belief store saves; ``recent`` is this run's)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recent"}
+        """The fit's discounted sums (what the belief store saves; ``recent`` and ``solved`` are this run's)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SAVED}
+
+
+_NOT_SAVED = frozenset({"recent", "solved"})
 
 
 @dataclass(frozen=True)
@@ -225,6 +232,8 @@ class DraftSlope:
 
     def _solve(self, b: _Bucket) -> tuple[float, float, float]:
         """(r, q = r s, v = r j): the bucket's fitted level, slope term and jump term."""
+        if b.solved is not None:
+            return b.solved
         cfg = self.config
         # Minimize sum w (z - r - q x - v d)^2 + p (q - r)^2 + pj v^2 + eps (r - 1)^2 over
         # (r, q = r s, v = r j): the priors say s = 1 and j = 0; eps only keeps the system
@@ -235,7 +244,8 @@ class DraftSlope:
         p, pj, eps = cfg.prior_units * cfg.unit_increment ** 2, cfg.jump_prior_units * cfg.unit_increment ** 2, 1e-6
         r, q, v = solve3([[b.w + p + eps, b.wx - p, b.wd], [b.wx - p, b.wxx + p, b.wxd], [b.wd, b.wxd, b.wd + pj]],
                          [b.wz + eps, b.wxz, b.wdz])
-        return r, q, v
+        b.solved = (r, q, v)
+        return b.solved
 
     def slope(self, num_seqs: int) -> float:
         """The learned slope for this batch size."""
@@ -304,7 +314,7 @@ class DraftSlope:
         """Saved buckets, each weighed as at most ``max_steps`` decode steps. None of them counts as
         a fresh baseline: the machine's level in another run says little about this one's, so the
         policy measures a plain step first, as it does without saved beliefs."""
-        names = {f.name for f in fields(_Bucket)} - {"recent"}
+        names = {f.name for f in fields(_Bucket)} - _NOT_SAVED
         for key, sums in state.items():
             values = {k: float(v) for k, v in sums.items() if k in names}
             scale = min(1.0, max_steps / values["w"]) if values.get("w", 0.0) > 0 else 0.0
@@ -315,6 +325,7 @@ class DraftSlope:
     def _add(self, b: _Bucket, x: float, z: float, drafted: bool = False) -> None:
         g, d = self.config.discount, float(drafted)
         z = self._robust(b, x, z, d)
+        b.solved = None  # the sums move now
         b.plain_w = b.plain_w * g + (1.0 - d)
         b.w = b.w * g + 1.0
         b.wx = b.wx * g + x

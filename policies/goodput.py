@@ -28,7 +28,6 @@ any step-time model, monotone or not, and is what keeps ``decide`` cheap at larg
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 from typing import ClassVar, Sequence
 
 import numpy as np
@@ -129,11 +128,20 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     # than off" matters more than a sliver of predicted gain.
     floor = off_goodput * (1.0 + min_relative_gain)
 
-    gains = [e.marginal_gains(c) for e, c in zip(estimates, caps)]
-    lengths = list(map(len, gains))
+    # Request i's gains, padded with -1 past its cap (gains are >= 0, so padding sorts last and
+    # is cut off): [num, deepest].
+    rows = [e.gains for e in estimates]
+    width = len(rows[0])
+    lengths = [max(0, min(c, len(g))) for c, g in zip(caps, rows)]
     deepest = max(lengths)
     if deepest == 0:
         return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
+    if all(len(g) == width for g in rows):  # the planner's estimates: one length, max_k
+        table = np.array(rows, dtype=float)[:, :deepest]  # [num, deepest]
+        table[np.arange(deepest) >= np.array(lengths)[:, None]] = -1.0
+    else:
+        pad = (-1.0,) * deepest
+        table = np.array([g[:n] + pad[n:] for g, n in zip(rows, lengths)], dtype=float)  # [num, deepest]
     draft = cost.draft_cost
     # A draft model pays one pass per position up to the deepest k, a cost that does not split
     # across requests; so try each depth cap D (drafts at positions <= D only) and keep the best.
@@ -144,14 +152,13 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     looked_up = drafted is not None and any(n and not m for n, m in zip(lengths, drafted))
     depth_caps = (range(0 if looked_up else 1, model_deepest + 1) if draft.per_pass_s > 0.0 and model_deepest
                   else (model_deepest,))
-    # All gains in one flat array, request i's at [i * deepest, i * deepest + caps[i]), padded with
-    # -1 (gains are >= 0, so padding sorts last and is cut off). One stable sort (ties go to the
-    # earlier request) serves every depth cap: a cap keeps a subsequence of the same order.
+    # All gains in one flat array, request i's at [i * deepest, i * deepest + caps[i]). One stable
+    # sort (ties go to the earlier request) serves every depth cap: a cap keeps a subsequence of
+    # the same order.
     # Worked example, deepest = 3: request 0's gains (0.9, 0.5) and request 1's (0.7,) flatten to
     # [0.9, 0.5, -1, 0.7, -1, -1]; the order is [0, 3, 1] (x // 3 is the request, x % 3 the
     # position), and n = 2 drafts give k = (1, 1).
-    pad = (-1.0,) * deepest
-    flat = np.fromiter(chain.from_iterable(g + pad[len(g):] for g in gains), float, num * deepest)  # [num * deepest]
+    flat = table.ravel()  # [num * deepest]
     full = np.argsort(-flat, kind="stable")[:sum(lengths)]  # [drafts], best gain first
     limit = len(full) if max_total_drafts is None else max(0, max_total_drafts)
     passless = ~np.array(drafted or (True,) * num)[full // deepest]  # [drafts]: lookup drafts

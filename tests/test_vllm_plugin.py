@@ -80,8 +80,61 @@ def test_rows_follow_requests_when_the_batch_condenses():
     second = tracker.read([[20, 21], [45]], b.lens[:2], b.toks[:2])
     assert [(r.request.seq_id, r.continued) for r in second.decodes] == [(o, True), (tracker._next_id - 1, False)]
     assert second.decodes[0].request.toks == OTHER + [23, 20, 21]  # the index reads the appended tokens
-    assert NgramLookup().lookup([second.decodes[0].request], [3])[0].drafts == [22, 23, 20]
+    assert NgramLookup().lookup([second.decodes[0].request], [3], b.toks, [0])[0].drafts == [22, 23, 20]
     assert a not in {r.request.seq_id for r in second.decodes}
+
+
+def test_the_plugins_ngram_lookup_drafts_what_the_engines_proposer_drafts():
+    # One prompt-lookup answer, two forms: the plugin matches vLLM's token array for the whole
+    # batch, the engine keeps an index per sequence. Rows in any order (vLLM's batch has holes),
+    # caps from 0 to past the tokens available, texts of a few symbols (matches everywhere).
+    import random
+
+    from specplan.engine.proposers.ngram import NgramProposer
+
+    rng = random.Random(7)
+    for _ in range(40):
+        num = rng.randint(1, 6)
+        b = Batch(rows=num + 3)
+        rows = rng.sample(range(num + 3), num)
+        tracker, tracker_rows = RowTracker(), []
+        for row in rows:
+            text = [rng.randrange(rng.choice([3, 30])) for _ in range(rng.randint(1, MAX_LEN))]
+            b.put(row, text)
+            tracker_rows.append(tracker._new(text))
+        caps = [rng.choice([0, 1, 3, 8]) for _ in rows]
+        got = NgramLookup().lookup(tracker_rows, caps, b.toks, rows)
+        want = NgramProposer().propose(tracker_rows, caps)  # a TrackedRequest reads as an engine Sequence
+        for i, f in enumerate(got):
+            expected = (want.token_ids[i], want.natural_k[i], want.match_length[i]) if want.token_ids[i] else ([], 0, 0)
+            assert (f.drafts, f.natural_k, f.match_length) == expected
+
+
+def test_rows_that_keep_their_request_are_matched_on_the_fast_path():
+    # A row holding last call's request is recognised for the whole batch at once (its length
+    # before the step, its head and tail then); only moved or new rows take the slow search. A
+    # prompt shorter than the head (its later head columns fill in as it grows) stays on it.
+    tracker = RowTracker()
+    b = Batch()
+    b.put(0, [3, 4, 5])
+    b.put(1, REPEATING + [5])
+    first = tracker.read([[5], [5]], b.lens, b.toks)
+    assert first.num_moved == 2  # both new
+    ids = [r.request.seq_id for r in first.decodes]
+    for step in range(20):
+        sampled = [[7 + step], [6, 7]]
+        for row, toks in enumerate(sampled):
+            b.append(row, toks)
+        batch = tracker.read(sampled, b.lens, b.toks)
+        assert batch.num_moved == 0 and all(r.continued for r in batch.decodes)
+        assert [r.request.seq_id for r in batch.decodes] == ids
+    assert batch.decodes[0].request.toks == b.toks[0, :b.lens[0]].tolist()
+    # The same length and tail, another head: not the same request.
+    b.toks[1, 0] += 1
+    b.append(1, [8])
+    b.append(0, [9])
+    moved = tracker.read([[9], [8]], b.lens, b.toks)
+    assert moved.num_moved == 1 and not moved.decodes[1].continued and moved.decodes[0].continued
 
 
 def test_a_row_with_other_tokens_is_a_new_request():
@@ -177,9 +230,9 @@ def test_a_step_the_planner_screens_out_looks_nothing_up():
     class CountingLookup(NgramLookup):
         asked = 0
 
-        def lookup(self, requests, caps):
+        def lookup(self, requests, caps, tokens, rows):
             CountingLookup.asked += sum(1 for c in caps if c)
-            return super().lookup(requests, caps)
+            return super().lookup(requests, caps, tokens, rows)
 
     planner = Screening(k=3)
     drafter = PlanningDrafter(planner, 4, MAX_LEN, max_num_batched_tokens=256, lookup=CountingLookup())
