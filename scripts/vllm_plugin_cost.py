@@ -192,6 +192,30 @@ def report(stats: dict, batch: int) -> None:
           f"rows matched the slow way {stats.get('rows_moved')} of {stats['request_steps']}")
 
 
+class YardstickedProposer:
+    """The plugin as vLLM runs it, plus ``yardstick_s`` timed right after every call in vLLM's
+    worker (outside the plugin's own timing): the VM's speed moves ~2x between minutes, and the
+    yardstick read in the same process at the same moment turns the plugin's milliseconds into
+    a ratio comparable with the offline simulation's. The yardsticks go to the stats file's
+    sibling ``*.yard.json``. vLLM loads it as ``vllm_plugin_cost.YardstickedProposer`` (this
+    script's folder on PYTHONPATH); made a SpecplanProposer subclass on first use, so that
+    importing this script needs no vLLM."""
+
+    def __new__(cls, vllm_config):
+        from specplan.integrations.vllm import SpecplanProposer
+
+        class Yardsticked(SpecplanProposer):
+            def propose(self, *args, **kwargs):
+                out = super().propose(*args, **kwargs)
+                self.yardsticks = getattr(self, "yardsticks", [])
+                self.yardsticks.append(yardstick_s())
+                if self.stats_path is not None:
+                    self.stats_path.with_suffix(".yard.json").write_text(json.dumps(self.yardsticks[-512:]))
+                return out
+
+        return Yardsticked(vllm_config)
+
+
 def run_vllm(args) -> None:
     """Real vLLM serving B copies of workload prompts with the plugin (run from vLLM's environment)."""
     from vllm import LLM, SamplingParams
@@ -205,9 +229,11 @@ def run_vllm(args) -> None:
                             stats_path=str(stats_path))
     os.environ.update(options.to_env())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # else vLLM-CPU wants 92% of the machine's memory
+    here = str(Path(__file__).resolve().parent)  # vLLM's worker imports YardstickedProposer from here
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     llm = LLM(model=str(model), dtype="float32", max_model_len=2048, max_num_seqs=args.batch, seed=0,
               enforce_eager=args.eager,  # the plugin's cost does not depend on how vLLM runs the model
-              speculative_config={"method": "custom_class", "model": "specplan.integrations.vllm.SpecplanProposer",
+              speculative_config={"method": "custom_class", "model": "vllm_plugin_cost.YardstickedProposer",
                                   "num_speculative_tokens": 8})
     prompts = _prompts(llm.get_tokenizer(), args.batch)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
@@ -218,6 +244,11 @@ def run_vllm(args) -> None:
     stats = json.loads(stats_path.read_text())
     print(f"vLLM {args.batch} requests x {args.steps} tokens: {tokens / elapsed:.1f} tok/s (busy machine: not a claim)")
     report(stats, args.batch)
+    yard = json.loads(stats_path.with_suffix(".yard.json").read_text())
+    own = [o for rows, o, _ in stats["recent"][-len(yard):] if rows == args.batch]
+    if own:
+        print(f"in vLLM's worker: yardstick median {1e3 * statistics.median(yard):.3f} ms; the plugin at B={args.batch} "
+              f"{statistics.median(own) / statistics.median(yard):.2f} yardsticks (median call / median yardstick)")
 
 
 def _prompts(tokenizer, n: int) -> list[list[int]]:
