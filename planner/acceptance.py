@@ -435,7 +435,7 @@ class PooledAcceptance:
             return
         self._dirty = False
         lengths = _posterior(self._initial, self.config.initial_strength, self.counts)
-        new = AcceptanceEstimate(self.alpha, lengths.p_len_ge, self.alpha_first)
+        new = AcceptanceEstimate._checked(self.alpha, lengths.p_len_ge, self.alpha_first)  # means of in-range values
         old = self._estimate
         moved = (abs(new.alpha - old.alpha) > self.tolerance
                  or abs(new.alpha_first - old.alpha_first) > self.tolerance) or any(
