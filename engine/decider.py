@@ -58,6 +58,13 @@ class RequestRecord:
     stop_rule: bool = False
 
     @property
+    def k_in_effect(self) -> int:
+        """The drafts this request was given: k, but under the decider's stop rule the drafts it
+        ran to (k is then its cap, and where it stopped was the rule's choice, not the proposer
+        running out). What the planner learns from and the engine's k statistics count."""
+        return self.num_proposed if self.stop_rule else self.k
+
+    @property
     def accepted_per_position(self) -> tuple[bool, ...]:
         """Position j was accepted iff j < num_accepted (drafts are verified left to right)."""
         return tuple(j < self.num_accepted for j in range(self.num_proposed))

@@ -62,7 +62,8 @@ class SpecStats(SpecCounters):
     def __init__(self) -> None:
         super().__init__()
         self.num_steps = 0
-        self.k_histogram: dict[int, int] = {}  # chosen k -> how many request-steps
+        # k in effect (RequestRecord.k_in_effect: under a stop rule, the drafts run) -> request-steps
+        self.k_histogram: dict[int, int] = {}
         self.decider_s = 0.0  # wall time inside the decider's decide() and observe(), all steps
 
     @property
@@ -74,4 +75,5 @@ class SpecStats(SpecCounters):
         self.num_steps += 1
         for r in record.requests:
             SpecCounters.add(self, r)
-            self.k_histogram[r.k] = self.k_histogram.get(r.k, 0) + 1
+            k = r.k_in_effect
+            self.k_histogram[k] = self.k_histogram.get(k, 0) + 1

@@ -341,7 +341,7 @@ class Planner:
             acc = t.by_match.get(match_bucket(rr.match_length)) or self.acceptance(t, rr.match_length)
             # Under a confidence stop a short draft is the stop rule's choice, not the proposer
             # running out: the request is read as having asked for what it drafted.
-            k = rr.num_proposed if getattr(rr, "stop_rule", False) else rr.k
+            k = rr.k_in_effect
             acc.observe(k, rr.num_proposed, rr.num_accepted, rr.natural_k)
             touched.add(acc.pool)
             confidence = getattr(rr, "confidence", None)

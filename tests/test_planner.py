@@ -385,6 +385,21 @@ def test_timing_learns_the_head_pass_from_the_passes_the_engine_reports():
     assert planner.overhead_s == pytest.approx(0.001, abs=3e-4)
 
 
+def test_engine_stats_count_the_drafts_a_stop_rule_ran_to_as_planner_learning_does():
+    # Under a confidence stop k is the request's cap; the drafts it ran to are what it was given.
+    # The engine's k histogram (the evaluation's "mean k" and k = 0 share) reads it as the
+    # planner does (RequestRecord.k_in_effect); without a stop rule k stands.
+    from specplan.engine.metrics import SpecStats
+
+    stats = SpecStats()
+    stopped = RequestRecord(0, "r0", 8, 2, 1, 2, confidence=(0.9, 0.4), stop_rule=True)
+    stopped_at_once = RequestRecord(1, "r1", 8, 0, 0, 1, stop_rule=True)
+    plain = RequestRecord(2, "r2", 3, 1, 1, 2)  # the proposer found one of 3 asked
+    stats.add(StepRecord((stopped, stopped_at_once, plain), 3, 6, 0, 900, 0.0, 0.03, 0.0, 0.03))
+    assert stats.k_histogram == {2: 1, 0: 1, 3: 1}
+    assert [r.k_in_effect for r in (stopped, stopped_at_once, plain)] == [2, 0, 3]
+
+
 # ---------------------------------------------------------------------------- acceptance
 
 def simulate(acc: RequestAcceptance, rng: random.Random, alpha: float, k: int, steps: int,
