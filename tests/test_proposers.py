@@ -6,12 +6,11 @@ import random
 import statistics
 import time
 
-import numpy as np
 import pytest
 
 from specplan.engine import DraftTokens, DraftTree, NgramProposer, Proposer
 from specplan.engine.proposers.suffix import SuffixProposer, context_lengths
-from specplan.engine.proposers.ngram import NgramIndex, match_rows
+from specplan.engine.proposers.ngram import NgramIndex
 from specplan.engine import SamplingParams, Sequence
 
 
@@ -170,27 +169,6 @@ def test_ngram_index_grown_in_chunks_equals_one_token_at_a_time(min_n, max_n):
                 single.update()
             pos += step
             assert chunked._index == single._index and chunked.match() == single.match()
-
-
-@pytest.mark.parametrize("min_n,max_n,max_match_length", [(1, 4, 16), (2, 3, 5), (1, 1, 1), (3, 3, 20)])
-def test_match_rows_answers_what_the_index_answers(min_n, max_n, max_match_length):
-    # The vLLM plugin matches a whole batch on vLLM's token array (match_rows); each row's
-    # (n, e, match length) must be the index's over the same tokens: rows of every length from 1,
-    # few symbols (grams recur, ties between ends), rows shorter than max_match_length.
-    rng = random.Random(max_n * 100 + max_match_length)
-    for _ in range(60):
-        num = rng.randint(1, 8)
-        texts = [[rng.randrange(rng.choice([2, 3, 20])) for _ in range(rng.randint(1, 90))] for _ in range(num)]
-        tokens = np.full((num + 2, 100), -7, dtype=np.int32)  # spare rows and columns: vLLM's buffers
-        for i, text in enumerate(texts):
-            tokens[i + 2, :len(text)] = text
-        n, e, ml = match_rows(tokens, np.arange(2, num + 2), np.array([len(t) for t in texts]),
-                              min_n, max_n, max_match_length)
-        for i, text in enumerate(texts):
-            index = NgramIndex(list(text), min_n, max_n, max_match_length)
-            index.update()
-            gram, end = index.match()
-            assert (n[i], e[i], ml[i]) == (gram, end, index.match_length(gram, end) if gram else 0), text
 
 
 def test_ngram_batch_and_rebuild_and_finish():

@@ -80,7 +80,7 @@ def test_rows_follow_requests_when_the_batch_condenses():
     second = tracker.read([[20, 21], [45]], b.lens[:2], b.toks[:2])
     assert [(r.request.seq_id, r.continued) for r in second.decodes] == [(o, True), (tracker._next_id - 1, False)]
     assert second.decodes[0].request.toks == OTHER + [23, 20, 21]  # the index reads the appended tokens
-    assert NgramLookup().lookup([second.decodes[0].request], [3], b.toks, [0])[0].drafts == [22, 23, 20]
+    assert NgramLookup().lookup([second.decodes[0].request], [3])[0].drafts == [22, 23, 20]
     assert a not in {r.request.seq_id for r in second.decodes}
 
 
@@ -103,7 +103,7 @@ def test_the_plugins_ngram_lookup_drafts_what_the_engines_proposer_drafts():
             b.put(row, text)
             tracker_rows.append(tracker._new(text))
         caps = [rng.choice([0, 1, 3, 8]) for _ in rows]
-        got = NgramLookup().lookup(tracker_rows, caps, b.toks, rows)
+        got = NgramLookup().lookup(tracker_rows, caps)
         want = NgramProposer().propose(tracker_rows, caps)  # a TrackedRequest reads as an engine Sequence
         for i, f in enumerate(got):
             expected = (want.token_ids[i], want.natural_k[i], want.match_length[i]) if want.token_ids[i] else ([], 0, 0)
@@ -111,9 +111,9 @@ def test_the_plugins_ngram_lookup_drafts_what_the_engines_proposer_drafts():
 
 
 def test_rows_that_keep_their_request_are_matched_on_the_fast_path():
-    # A row holding last call's request is recognised for the whole batch at once (its length
-    # before the step, its head and tail then); only moved or new rows take the slow search. A
-    # prompt shorter than the head (its later head columns fill in as it grows) stays on it.
+    # A row holding last call's request is checked against that request first (its length before
+    # the step, its head and tail tokens); only moved or new rows search the others. A prompt
+    # shorter than the head tokens compared (its row fills in past it as it grows) stays on it.
     tracker = RowTracker()
     b = Batch()
     b.put(0, [3, 4, 5])
@@ -230,9 +230,9 @@ def test_a_step_the_planner_screens_out_looks_nothing_up():
     class CountingLookup(NgramLookup):
         asked = 0
 
-        def lookup(self, requests, caps, tokens, rows):
+        def lookup(self, requests, caps):
             CountingLookup.asked += sum(1 for c in caps if c)
-            return super().lookup(requests, caps, tokens, rows)
+            return super().lookup(requests, caps)
 
     planner = Screening(k=3)
     drafter = PlanningDrafter(planner, 4, MAX_LEN, max_num_batched_tokens=256, lookup=CountingLookup())

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from ..sequence import Sequence
 from ..drafts import DraftTokens
 
@@ -216,80 +214,3 @@ class NgramProposer:
     def num_tracked(self) -> int:
         """How many sequences currently hold an index (for tests and memory checks)."""
         return len(self._states)
-
-
-def match_rows(tokens: np.ndarray, rows: np.ndarray, lengths: np.ndarray, min_n: int = 1, max_n: int = 4,
-               max_match_length: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``NgramIndex.match`` and ``match_length`` for many token rows at once, over an array.
-
-    The index suits a sequence that is a Python list (the engine's): O(1) a step, but a dict
-    write per n per new token and a Python call per sequence. vLLM hands its drafter the batch as
-    one array, so there the whole batch is matched in a few vectorised passes instead, with the
-    same answer (tests/test_proposers.py checks the two against each other on random rows).
-
-    tokens: [num_slots, width] int (vLLM's token_ids_cpu); rows: [R] the rows to match;
-    lengths: [R] each row's token count L (its tokens are tokens[row, :L]).
-    Returns (n, e, match_length), each [R] int64: the longest matched n-gram length (0: none),
-    the end of its most recent earlier occurrence (-1: none) and the match length.
-
-    How: every earlier position j <= L - 2 holding the row's last token is a candidate end
-    e = j + 1; its gram is how many tokens agree going back from j and from L - 1, up to max_n.
-    The best has the longest gram, then the largest e; only the winners' agreement is followed
-    on to max_match_length.
-    Worked example: a row [3, 2, 3, 9, 2, 3] (L = 6, last token 3): candidates j = 0 and j = 2.
-    Going back, j = 2 agrees for 2 tokens (2 = 2, then 3 vs 9) and j = 0 for 1 (nothing before
-    it): n = 2, e = 3, and the drafts are tokens[3:] = 9, 2, 3."""
-    num = len(rows)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    n_out = np.zeros(num, dtype=np.int64)
-    e_out = np.full(num, -1, dtype=np.int64)
-    ml_out = np.zeros(num, dtype=np.int64)
-    if num == 0:
-        return n_out, e_out, ml_out
-    width = int(lengths.max())
-    first = int(rows[0])
-    if int(rows[-1]) - first == num - 1 and (num == 1 or bool((np.diff(rows) == 1).all())):
-        block = tokens[first:first + num, :width]  # [R, width], a view: vLLM's decoding rows are mostly 0..R-1
-    else:
-        block = tokens[rows, :width]  # [R, width], gathered
-    arange = np.arange(num)
-    last = lengths - 1  # [R] the position of each row's last token
-    # Candidates: earlier positions holding the last token (a row of length 1 has none). Found
-    # on the flattened block (a 2-D nonzero costs ~10x a flat one) and cut to j < L - 1 after.
-    flat = np.flatnonzero(block == block[arange, last][:, None])  # [hits]
-    cand_r = flat // width  # [hits]
-    cand_j = flat - cand_r * width
-    earlier = cand_j < last[cand_r]
-    cand_r, cand_j = cand_r[earlier], cand_j[earlier]  # [C] each
-    if len(cand_r) == 0:
-        return n_out, e_out, ml_out
-    # Level n keeps the candidates whose n-gram agrees: the survivors of level n - 1 whose token
-    # n - 1 back agrees too. Candidates stay in flat order (by row, then position), so a row's
-    # last survivor at a level is its most recent end, and the highest level wins.
-    for n in range(1, max_n + 1):
-        if n > 1:
-            back = cand_j - (n - 1)  # [C]; < 0: no room for a longer gram
-            agree = (back >= 0) & (block[cand_r, np.maximum(back, 0)]
-                                   == block[cand_r, np.maximum(last[cand_r] - (n - 1), 0)])
-            cand_r, cand_j = cand_r[agree], cand_j[agree]
-            if len(cand_r) == 0:
-                break
-        if n >= min_n:
-            # Each row's last candidate: where the next one is another row's, and the very last.
-            latest = np.flatnonzero(cand_r[1:] != cand_r[:-1])  # [rows with candidates - 1]
-            for at in (latest, -1):
-                n_out[cand_r[at]] = n
-                e_out[cand_r[at]] = cand_j[at] + 1
-    found = n_out > 0
-    ml_out[:] = n_out
-    # Follow full-length grams further back (only they can be longer matches), every remaining
-    # position of every such row in one [G, M] comparison; the agreeing run is the prefix of 1s.
-    grow = np.flatnonzero(found & (n_out == max_n))  # [G]
-    if len(grow) and max_match_length > max_n:
-        offsets = np.arange(max_n, max_match_length)  # [M]: m, as in NgramIndex.match_length
-        before_e = e_out[grow, None] - offsets - 1  # [G, M] positions e - m - 1
-        before_last = np.maximum(last[grow, None] - offsets, 0)  # [G, M] positions L - 1 - m
-        r = grow[:, None]
-        agrees = (before_e >= 0) & (block[r, np.maximum(before_e, 0)] == block[r, before_last])  # [G, M]
-        ml_out[grow] += np.where(agrees.all(axis=1), agrees.shape[1], agrees.argmin(axis=1))  # the run before the first 0
-    return n_out, e_out, ml_out

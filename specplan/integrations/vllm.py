@@ -15,8 +15,7 @@ did, as the built-in engine does: per request drafts asked / proposed / accepted
 committed tokens - 1), the match length, the step's wall time (from one call to the next; the
 plugin's own time is reported as propose time, the rest as forward time: vLLM shows no split),
 batch size and query tokens, (3) looks every decoding request up with specplan's n-gram or
-suffix proposer (specplan/integrations/vllm_lookup.py: the engine's own lookups; the n-gram one
-matched for the whole batch at once on vLLM's token array) and
+suffix proposer (specplan/integrations/vllm_lookup.py: the engine's own implementations) and
 (4) asks the planner's policy for k per request, returning that many drafts each (0..K; [] =
 the request does not speculate). A step in which no request has drafts is decided without the
 planner: every k is 0 whatever the policy.
@@ -335,7 +334,7 @@ class PlanningDrafter:
         caps = [max(0, min(cap_all, room - t.num_tokens)) for t in requests]
         if any(caps) and not may_speculate(self.planner, self._outline(batch, requests, max(caps))):
             caps = [0] * len(requests)  # a step where no draft could pay: no lookup, no decision
-        found = self.lookup.lookup(requests, caps, batch.tokens, [r.row for r in batch.decodes])
+        found = self.lookup.lookup(requests, caps)
         t1 = now()
         st = self.stats
         st.phase_s["lookup"] += t1 - t0

@@ -1,8 +1,7 @@
 """The plugin's draft sources: specplan's own lookup proposers over the rows the tracker follows.
 
-Both proposers are the built-in engine's (engine/proposers/ngram.py ``NgramIndex``, whose
-answer the n-gram lookup computes for the whole batch on vLLM's token array with ``match_rows``;
-engine/proposers/suffix.py ``SuffixProposer``). They are asked before
+Both proposers are the built-in engine's (engine/proposers/ngram.py ``NgramIndex``,
+engine/proposers/suffix.py ``SuffixProposer``): one implementation each. They are asked before
 the planner decides, for each request's cap, as the engine asks a lookup proposer
 (``proposes_prefixes``): a shorter k keeps a prefix of the drafts. What a lookup returns per
 request is ``Found``: the drafts, the proposer's natural length (the planner's proposal-length
@@ -14,9 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
-from specplan.engine.proposers.ngram import NgramIndex, match_rows
+from specplan.engine.proposers.ngram import NgramIndex
 from specplan.engine.proposers.suffix import SuffixProposer
 from specplan.planner.filler import filler
 
@@ -36,11 +33,8 @@ _found = filler(Found)  # one per request per step (planner/filler.py)
 class Lookup(Protocol):
     name: str  # the proposer's name, as the planner's priors and the profile's draft costs key it
 
-    def lookup(self, requests: list[TrackedRequest], caps: list[int], tokens: np.ndarray,
-               rows: list[int]) -> list[Found]:
-        """Drafts for every request, at most caps[i] (0: none asked, NOTHING). ``tokens`` is
-        vLLM's token array and ``rows`` the requests' rows in it (request i's tokens are
-        ``tokens[rows[i], :requests[i].num_tokens]``, equal to its ``toks``)."""
+    def lookup(self, requests: list[TrackedRequest], caps: list[int]) -> list[Found]:
+        """Drafts for every request, at most caps[i] (0: none asked, NOTHING)."""
         ...
 
     def forget(self, request: TrackedRequest) -> None:
@@ -49,9 +43,7 @@ class Lookup(Protocol):
 
 
 class NgramLookup:
-    """Prompt lookup over each request's own tokens (the engine's ``NgramProposer`` defaults),
-    matched for the whole batch at once on vLLM's token array (engine/proposers/ngram.py
-    ``match_rows``: what ``NgramIndex`` answers, without an index to keep per request)."""
+    """Prompt lookup over each request's own tokens (the engine's ``NgramProposer`` defaults)."""
 
     name = "ngram"
 
@@ -59,30 +51,24 @@ class NgramLookup:
         NgramIndex([], min_n, max_n, max_match_length)  # checks the parameters once, here
         self.min_n, self.max_n, self.max_match_length = min_n, max_n, max_match_length
         self.max_natural_k = max_natural_k
+        self._indexes: dict[int, NgramIndex] = {}  # seq_id -> the index over that request's toks
 
-    def lookup(self, requests: list[TrackedRequest], caps: list[int], tokens: np.ndarray,
-               rows: list[int]) -> list[Found]:
-        out = [NOTHING] * len(requests)
-        asked = [i for i, cap in enumerate(caps) if cap]
-        if not asked:
-            return out
-        asked_rows = np.array([rows[i] for i in asked])  # [A]
-        lengths = [requests[i].num_tokens for i in asked]
-        grams, ends, match_lengths = match_rows(tokens, asked_rows, np.array(lengths), self.min_n, self.max_n,
-                                                self.max_match_length)  # [A] each
-        # Every request's drafts in one gather: the tokens after its match's end, up to the
-        # deepest cap (columns clipped into the buffer; each row is cut to its own count below).
-        deepest = max(caps[i] for i in asked)
-        cols = np.minimum(np.maximum(ends, 0)[:, None] + np.arange(deepest), tokens.shape[1] - 1)  # [A, deepest]
-        following = tokens[asked_rows[:, None], cols].tolist()  # [A][deepest]
-        for i, length, n, e, matched, drafts in zip(asked, lengths, grams.tolist(), ends.tolist(),
-                                                     match_lengths.tolist(), following):
-            if n:
-                out[i] = _found(drafts[:min(caps[i], length - e)], min(length - e, self.max_natural_k), matched)
+    def lookup(self, requests: list[TrackedRequest], caps: list[int]) -> list[Found]:
+        out = []
+        indexes = self._indexes
+        for t, cap in zip(requests, caps):
+            if not cap:
+                out.append(NOTHING)
+                continue
+            index = indexes.get(t.seq_id)
+            if index is None:
+                index = indexes[t.seq_id] = NgramIndex(t.toks, self.min_n, self.max_n, self.max_match_length)
+            drafts, available, match_length = index.lookup(cap)
+            out.append(_found(drafts, min(available, self.max_natural_k), match_length) if drafts else NOTHING)
         return out
 
     def forget(self, request: TrackedRequest) -> None:
-        """Nothing is kept per request."""
+        self._indexes.pop(request.seq_id, None)
 
 
 class SuffixLookup:
@@ -95,8 +81,7 @@ class SuffixLookup:
     def __init__(self, proposer: SuffixProposer | None = None):
         self.proposer = proposer or SuffixProposer()
 
-    def lookup(self, requests: list[TrackedRequest], caps: list[int], tokens: np.ndarray,
-               rows: list[int]) -> list[Found]:
+    def lookup(self, requests: list[TrackedRequest], caps: list[int]) -> list[Found]:
         answer = self.proposer.propose(requests, caps)  # TrackedRequest reads as an engine Sequence
         return [_found(drafts, natural, matched) if drafts else NOTHING
                 for drafts, natural, matched in zip(answer.token_ids, answer.natural_k, answer.match_length)]

@@ -12,10 +12,9 @@ beliefs carry over correctly either way. A row that matches nobody is a new requ
 preempted and recomputed): its beliefs start from the planner's pooled prior.
 
 Cost (this runs every step, inside vLLM's step loop): almost every row holds the request it held
-last call, so the whole batch is checked for that at once: each row's length before the step and
-its head and tail tokens then, gathered in one numpy read, against what the tracker kept of the
-row at the end of last call. Only rows that fail it search the other tracked requests. The
-tokens a row committed are ``sampled_token_ids[i]`` itself (vLLM writes exactly those into
+last call, so that request is checked first, against the row's head and tail tokens gathered for
+the whole batch in two numpy reads; only rows that fail it search the other tracked requests.
+The tokens a row committed are ``sampled_token_ids[i]`` itself (vLLM writes exactly those into
 ``token_ids_cpu`` before calling), so nothing else is copied out of the arrays per step.
 
 Pure Python over numpy: importable and testable without vLLM.
@@ -89,7 +88,6 @@ class BatchRows:
 
     decodes: list[Row]  # rows that committed tokens, in row order
     num_rows: int  # all rows, those still prefilling included
-    tokens: np.ndarray  # [>= num_rows, max_model_len] vLLM's token array (a request's row holds its toks)
     prefill_rows: list[int] = field(default_factory=list)  # rows that committed nothing (prompt chunk, discarded)
     forgotten: list[TrackedRequest] = field(default_factory=list)  # dropped this call (finished long ago)
     num_moved: int = 0  # decoding rows not holding last call's request (moved or new): the slow path
@@ -103,11 +101,6 @@ class RowTracker:
         self.forget_every_calls = forget_every_calls  # how often to look for requests to forget
         self._requests: list[TrackedRequest] = []
         self._by_row: list[TrackedRequest | None] = []  # row -> the request it held last call
-        # What each row held at the end of last call, for the whole batch at once: its committed
-        # length ([rows], -1: no decoding request) and its signature ([rows, SIGNATURE]: head
-        # tokens, then the last TAIL_TOKENS, ``_signatures``).
-        self._row_len = np.full(0, -1, dtype=np.int64)
-        self._row_sig = np.zeros((0, SIGNATURE), dtype=np.int64)
         self._next_id = 0
         self._call = 0
 
@@ -125,46 +118,41 @@ class RowTracker:
         self._call += 1
         call = self._call
         num_rows = len(sampled_token_ids)
-        lens = num_tokens_no_spec[:num_rows].astype(np.int64)  # [R] committed now
-        num_sampled = np.fromiter(map(len, sampled_token_ids), np.int64, num_rows)  # [R]
-        prev = np.maximum(lens - num_sampled, 1)  # [R] committed before the step
-        # The fast path: a row that holds last call's request has that request's length before
-        # the step and the tokens it had then at its head and tail.
-        kept = min(num_rows, len(self._row_len))
-        same = np.zeros(num_rows, dtype=bool)  # [R]
-        if kept:
-            signature = _signatures(token_ids_cpu, prev[:kept])  # [kept, SIGNATURE]
-            # Head columns past the length known last call held stale buffer contents then.
-            fresh = _HEAD_COLS >= prev[:kept, None]  # [kept, SIGNATURE]
-            same[:kept] = ((prev[:kept] == self._row_len[:kept]) & (num_sampled[:kept] > 0)
-                           & ((signature == self._row_sig[:kept]) | fresh).all(axis=1))
+        lens_list = num_tokens_no_spec[:num_rows].tolist()  # [R]
+        prev_list = [max(n - len(s), 1) for n, s in zip(lens_list, sampled_token_ids)]  # [R] committed before
+        # Worked example: prev = [20, 3] -> tail columns [[12..19], [0, 0, 0, 0, 0, 0, 1, 2]]
+        # (clipped at 0; a short row compares only its last prev tokens).
+        cols = np.maximum(np.array(prev_list, dtype=np.int64)[:, None] + _TAIL_OFFSETS, 0)  # [R, TAIL_TOKENS]
+        tails = token_ids_cpu[np.arange(num_rows)[:, None], cols].tolist()  # [R][TAIL_TOKENS]
+        heads = token_ids_cpu[:num_rows, :HEAD_TOKENS].tolist()  # [R][HEAD_TOKENS]
         by_row = self._by_row
+        num_by_row = len(by_row)
         decodes, prefill, moved = [], [], []
         rows_now: list[TrackedRequest | None] = [None] * num_rows
-        for i, sampled, fast in zip(range(num_rows), sampled_token_ids, same.tolist()):
-            if fast:
-                t = by_row[i]
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:
+                prefill.append(i)
+                continue
+            t = by_row[i] if i < num_by_row else None
+            if t is not None and t.last_seen < call and self._holds(t, prev_list[i], heads[i], tails[i]):
                 t.toks.extend(sampled)
                 t.last_seen = call
                 rows_now[i] = t
                 decodes.append(Row(i, t, len(sampled), continued=True))
-            elif not sampled:
-                prefill.append(i)
             else:
                 moved.append(i)
                 decodes.append(None)  # filled below, in row order
         if moved:
-            self._place_moved(moved, decodes, rows_now, sampled_token_ids, token_ids_cpu, lens.tolist(), prev.tolist())
+            self._place_moved(moved, decodes, rows_now, sampled_token_ids, token_ids_cpu, lens_list, prev_list,
+                              heads, tails)
         self._by_row = rows_now
-        self._row_len = np.where(num_sampled > 0, lens, -1)
-        self._row_sig = _signatures(token_ids_cpu, lens)
         forgotten = []
         horizon = call - self.forget_after_calls
         if call % self.forget_every_calls == 0 and any(t.last_seen < horizon for t in self._requests):
             # Finished requests just stop appearing; one vLLM did not schedule for a while may return.
             forgotten = [t for t in self._requests if t.last_seen < horizon]
             self._requests = [t for t in self._requests if t.last_seen >= horizon]
-        return BatchRows(decodes, num_rows, token_ids_cpu, prefill, forgotten, len(moved))
+        return BatchRows(decodes, num_rows, prefill, forgotten, len(moved))
 
     @staticmethod
     def _holds(t: TrackedRequest, prev_len: int, head: list[int], tail: list[int]) -> bool:
@@ -177,19 +165,17 @@ class RowTracker:
         return head[:h] == t.head and tail[TAIL_TOKENS - m:] == t.toks[-m:]
 
     def _place_moved(self, moved: list[int], decodes: list, rows_now: list, sampled_token_ids, token_ids_cpu,
-                     lens: list[int], prev: list[int]) -> None:
+                     lens: list[int], prev: list[int], heads: list, tails: list) -> None:
         """Rows whose request is not the one they held last call: another tracked request (the
         batch condensed) or a new one."""
         call = self._call
         free = [t for t in self._requests if t.last_seen < call]
-        signature = _signatures(token_ids_cpu, np.array([prev[i] for i in moved]), np.array(moved)).tolist()
         slot = 0
-        for i, sig in zip(moved, signature):
+        for i in moved:
             while decodes[slot] is not None:
                 slot += 1
             sampled = sampled_token_ids[i]
-            head, tail = sig[:HEAD_TOKENS], sig[HEAD_TOKENS:]
-            t = next((c for c in free if c.last_seen < call and self._holds(c, prev[i], head, tail)), None)
+            t = next((c for c in free if c.last_seen < call and self._holds(c, prev[i], heads[i], tails[i])), None)
             if t is not None:
                 t.toks.extend(sampled)
                 decodes[slot] = Row(i, t, len(sampled), continued=True)
@@ -204,18 +190,3 @@ class RowTracker:
         self._next_id += 1
         self._requests.append(t)
         return t
-
-
-SIGNATURE = HEAD_TOKENS + TAIL_TOKENS
-_HEAD_RANGE = np.arange(HEAD_TOKENS)  # [HEAD_TOKENS]
-_HEAD_COLS = np.concatenate([np.arange(HEAD_TOKENS), np.full(TAIL_TOKENS, -1)])  # [SIGNATURE]; tail: never stale
-
-
-def _signatures(tokens: np.ndarray, lengths: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-    """[len(lengths), SIGNATURE]: rows ``rows`` (default 0, 1, ...) of ``tokens``, each row's
-    first HEAD_TOKENS tokens, then the last TAIL_TOKENS of its first ``lengths[i]`` (column
-    indices clipped at 0 for a short row).
-    Worked example, lengths [20, 3]: tail columns [[12..19], [0, 0, 0, 0, 0, 0, 1, 2]]."""
-    rows = (np.arange(len(lengths)) if rows is None else rows)[:, None]  # [R, 1]
-    tail_cols = np.maximum(lengths[:, None] + _TAIL_OFFSETS, 0)  # [R, TAIL_TOKENS]
-    return np.concatenate([tokens[rows, _HEAD_RANGE], tokens[rows, tail_cols]], axis=1).astype(np.int64, copy=False)
