@@ -85,8 +85,8 @@ def test_rows_follow_requests_when_the_batch_condenses():
 
 
 def test_the_plugins_ngram_lookup_drafts_what_the_engines_proposer_drafts():
-    # One prompt-lookup answer, two forms: the plugin matches vLLM's token array for the whole
-    # batch, the engine keeps an index per sequence. Rows in any order (vLLM's batch has holes),
+    # The plugin's lookup wraps the engine's n-gram index over the tokens the tracker mirrors; its
+    # drafts, natural length and match length must be the engine proposer's for the same tokens:
     # caps from 0 to past the tokens available, texts of a few symbols (matches everywhere).
     import random
 
@@ -94,17 +94,12 @@ def test_the_plugins_ngram_lookup_drafts_what_the_engines_proposer_drafts():
 
     rng = random.Random(7)
     for _ in range(40):
-        num = rng.randint(1, 6)
-        b = Batch(rows=num + 3)
-        rows = rng.sample(range(num + 3), num)
-        tracker, tracker_rows = RowTracker(), []
-        for row in rows:
-            text = [rng.randrange(rng.choice([3, 30])) for _ in range(rng.randint(1, MAX_LEN))]
-            b.put(row, text)
-            tracker_rows.append(tracker._new(text))
-        caps = [rng.choice([0, 1, 3, 8]) for _ in rows]
-        got = NgramLookup().lookup(tracker_rows, caps)
-        want = NgramProposer().propose(tracker_rows, caps)  # a TrackedRequest reads as an engine Sequence
+        tracker = RowTracker()
+        requests = [tracker._new([rng.randrange(rng.choice([3, 30])) for _ in range(rng.randint(1, MAX_LEN))])
+                    for _ in range(rng.randint(1, 6))]
+        caps = [rng.choice([0, 1, 3, 8]) for _ in requests]
+        got = NgramLookup().lookup(requests, caps)
+        want = NgramProposer().propose(requests, caps)  # a TrackedRequest reads as an engine Sequence
         for i, f in enumerate(got):
             expected = (want.token_ids[i], want.natural_k[i], want.match_length[i]) if want.token_ids[i] else ([], 0, 0)
             assert (f.drafts, f.natural_k, f.match_length) == expected
