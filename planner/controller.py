@@ -282,11 +282,10 @@ class Planner:
         # Each draft's gain scaled by what the chosen drafts have yielded against their estimates.
         factor = self.calibration.factor if self.calibration is not None else 1.0
         reqs, beliefs = [], []
-        tracked = self._requests
         for rv in view.requests:
-            t = tracked.get(rv.seq_id) or self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
+            t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
             t.last_seen_step = step
-            acc = t.by_match.get(match_bucket(rv.match_length)) or self.acceptance(t, rv.match_length)
+            acc = self.acceptance(t, rv.match_length)
             beliefs.append(acc)
             # available_drafts: proposed before deciding (n-gram, suffix), so their number is known.
             estimate = acc.estimate(rv.available_drafts, factor)
@@ -335,10 +334,9 @@ class Planner:
         proposer = self.proposer or (self.last_state.proposer if self.last_state is not None else "unknown")
         touched = set()
         total_drafts = deepest = 0
-        tracked = self._requests
         for rr in record.requests:
-            t = tracked.get(rr.seq_id) or self._tracked(rr.seq_id, rr.request_id, proposer)
-            acc = t.by_match.get(match_bucket(rr.match_length)) or self.acceptance(t, rr.match_length)
+            t = self._tracked(rr.seq_id, rr.request_id, proposer)
+            acc = self.acceptance(t, rr.match_length)
             # Under a confidence stop a short draft is the stop rule's choice, not the proposer
             # running out: the request is read as having asked for what it drafted.
             k = rr.k_in_effect

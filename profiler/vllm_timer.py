@@ -41,7 +41,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, MutableMapping, Sequence
 
 import numpy as np
 
@@ -74,11 +74,13 @@ def vllm_env_defaults(device: str) -> dict[str, str]:
     return {"VLLM_USE_AOT_COMPILE": "0"} if device == "cpu" else {}
 
 
-def set_vllm_env_defaults() -> None:
-    """``vllm_env_defaults`` of this vLLM's device into os.environ where unset: call it before a
-    vLLM engine starts in this process (its engine core inherits the environment)."""
-    for name, value in vllm_env_defaults(vllm_device()).items():
-        os.environ.setdefault(name, value)
+def set_vllm_env_defaults(env: MutableMapping[str, str] | None = None, device: str | None = None) -> None:
+    """``vllm_env_defaults`` of ``device`` (default: this vLLM's) into ``env`` (default os.environ)
+    where unset: call it before a vLLM engine starts in this process (its engine core inherits
+    the environment), or on the environment a vLLM server is launched with."""
+    env = os.environ if env is None else env
+    for name, value in vllm_env_defaults(device or vllm_device()).items():
+        env.setdefault(name, value)
 
 
 def vllm_kernels(version: str, device: str) -> str:

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from specplan.profiler.vllm_timer import vllm_env_defaults
+from specplan.profiler.vllm_timer import set_vllm_env_defaults
 
 from .vllm import PluginOptions, check_vllm_version
 
@@ -95,8 +95,7 @@ class VllmServe:
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)
-        for name, value in vllm_env_defaults(self.device).items():
-            env.setdefault(name, value)
+        set_vllm_env_defaults(env, self.device)
         if self.plugin is not None:
             for name in [n for n in env if n.startswith("SPECPLAN_")]:
                 del env[name]  # the plugin reads exactly the options given here
