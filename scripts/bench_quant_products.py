@@ -1,7 +1,7 @@
 """A decode step's quantized products alone, against the machine's bandwidth: the default model's
-30 layers of projections (q, k, v, o, gate, up, down; random weights of its shapes) in a block
-format, each called once at M rows, weights streamed from memory (the set is far larger than the
-caches), torch's threads as the engine runs them.
+30 layers of products as the engine fuses them (qkv, o, gate_up, down; random weights of their
+shapes; the LM head left out) in a block format, each called once at M rows, weights streamed
+from memory (the set is far larger than the caches), torch's threads as the engine runs them.
 
     python scripts/bench_quant_products.py [--fmt q4_1|q4_0|q8_0] [--rows 1,8,32] [--reps 40]
 
@@ -23,8 +23,9 @@ import torch
 from specplan.engine.model import cpu_kernels
 from specplan.engine.model.quant import QuantWeight
 
-# SmolLM2-135M: hidden 576, 3 KV heads of 64, MLP 1536; [N, K] per projection of one layer.
-LAYER_SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
+# SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, MLP 1536; [N, K] per product of one
+# layer, as engine/model/transformer.py fuses them: qkv, o, gate_up, down.
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 NUM_LAYERS = 30
 
 
