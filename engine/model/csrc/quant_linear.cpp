@@ -226,38 +226,18 @@ inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict 
     __m256i part[C][R];
     for (int c = 0; c < C; ++c)
       for (int r = 0; r < R; ++r) part[c][r] = _mm256_setzero_si256();
+#endif
     if constexpr (F == Fmt::Q8_0) {
       for (int g = 0; g < 8; ++g) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * g));
         const __m256i aw = _mm256_abs_epi8(w);  // -128 stays 0x80, i.e. 128 unsigned
         for (int r = 0; r < R; ++r) {
           const __m256i sx = _mm256_sign_epi8(broadcast4(xb + r * K + 4 * g), w);  // qx with w's sign
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
           part[g % C][r] = _mm256_dpbusd_epi32(part[g % C][r], aw, sx);
-        }
-      }
-    } else {
-      for (int i = 0; i < 4; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * i));
-        const __m256i lo = _mm256_and_si256(v, nibble);                         // group 2i
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);  // group 2i + 1
-        for (int r = 0; r < R; ++r) {
-          part[(2 * i) % C][r] = _mm256_dpbusd_epi32(part[(2 * i) % C][r], lo, broadcast4(xb + r * K + 8 * i));
-          part[(2 * i + 1) % C][r] = _mm256_dpbusd_epi32(part[(2 * i + 1) % C][r], hi, broadcast4(xb + r * K + 8 * i + 4));
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      isum[r] = part[0][r];
-      for (int c = 1; c < C; ++c) isum[r] = _mm256_add_epi32(isum[r], part[c][r]);
-    }
 #else
-    if constexpr (F == Fmt::Q8_0) {
-      for (int g = 0; g < 8; ++g) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * g));
-        const __m256i aw = _mm256_abs_epi8(w);  // -128 stays 0x80, i.e. 128 unsigned
-        for (int r = 0; r < R; ++r) {
-          const __m256i sx = _mm256_sign_epi8(broadcast4(xb + r * K + 4 * g), w);  // qx with w's sign
           isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones16));
+#endif
         }
       }
     } else {
@@ -268,11 +248,21 @@ inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict 
         for (int r = 0; r < R; ++r) {
           const __m256i x0 = broadcast4(xb + r * K + 8 * i);
           const __m256i x1 = broadcast4(xb + r * K + 8 * i + 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+          part[(2 * i) % C][r] = _mm256_dpbusd_epi32(part[(2 * i) % C][r], lo, x0);
+          part[(2 * i + 1) % C][r] = _mm256_dpbusd_epi32(part[(2 * i + 1) % C][r], hi, x1);
+#else
           isum[r] = _mm256_add_epi16(isum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)));
+#endif
         }
       }
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
       for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(isum[r], ones16);  // int16 pairs -> int32 per column
+#endif
     }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) isum[r] = _mm256_add_epi32(isum[r], part[c][r]);
 #endif
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));  // [8] column scales
     __m256 mins = _mm256_setzero_ps();
