@@ -44,6 +44,27 @@ def test_cold_start_summary_by_hand():
     assert not changed["cold_start"]["w"]["lossless"]
 
 
+def test_paired_spread_cancels_the_machine_drift_common_to_a_run():
+    # Run 1 is 20% slower for every arm: the raw spreads see it, the paired ones do not.
+    rows = cold_rows({OFF: [10, 12, 10], "static:2": [13, 15.6, 13], ADAPTIVE: [13, 15, 14],
+                      NULL_CONTROL: [10, 12.6, 9.5]})
+    s = summarize(rows, [], [])["cold_start"]["w"]
+    assert s["spread"]["static:2"] == pytest.approx(2.6 / 13)
+    assert s["paired_spread"]["static:2"] == pytest.approx(0.0)  # 1.3 every run
+    # ratios 1.3, 1.25, 1.4 -> (1.4 - 1.25) / 1.3
+    assert s["paired_spread"][ADAPTIVE] == pytest.approx(0.15 / 1.3)
+    assert OFF not in s["paired_spread"]  # 1.0 by construction
+    assert not s[ADAPTIVE]["paired_spread_no_wider_than_best_static"]
+    assert s["null_control_vs_off"] == pytest.approx(1.0)  # median of 1.0, 1.05, 0.95
+    # Where SD off is the best static k, the null control's paired spread is the yardstick.
+    rows = cold_rows({OFF: [10, 12, 10], "static:2": [9, 10, 9], ADAPTIVE: [10, 12, 10.2], NULL_CONTROL: [10, 12.6, 9.5]})
+    s = summarize(rows, [], [])["cold_start"]["w"]
+    assert s["best_static"] == OFF
+    assert s[ADAPTIVE]["paired_spread_no_wider_than_best_static"]  # 0.02 vs the control's 0.10
+    without_control = summarize(cold_rows({OFF: [10, 12], ADAPTIVE: [10, 12]}), [], [])["cold_start"]["w"]
+    assert without_control[ADAPTIVE]["paired_spread_no_wider_than_best_static"] is None  # nothing to compare with
+
+
 def test_mixed_and_calibration_summary_by_hand():
     mixed = [{"arm": arm, "run": run, "batch": 16, "goodput": g, "digest": "x"}
              for arm, gs in ((OFF, [100, 100]), ("static:2", [90, 95]), (ADAPTIVE, [99, 101])) for run, g in enumerate(gs)]

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from specplan.bench.vllm_peer import NULL_CONTROL, OFF, NullControl, main, render, run_meta, summarize, vllm_arms
+from specplan.bench.vllm_peer import (NULL_CONTROL, OFF, NullControl, main, plugin_counters, plugin_run_summary, render,
+                                      run_meta, summarize, vllm_arms)
 
 
 def runs_of(cell: dict[str, list[float]], workload="w", batch=4, same=True) -> list[dict]:
@@ -53,6 +54,33 @@ def test_report_marks_a_partial_run_and_names_the_worst_cell_against_off(tmp_pat
     (tmp_path / "saved.json").write_text(json.dumps(doc))
     main(["--rerender", str(tmp_path / "saved.json"), "--out", str(tmp_path / "again")])
     assert "on 2026-01-02 03:04 UTC" in (tmp_path / "again" / "vllm-peer.md").read_text()
+
+
+def test_plugin_arms_report_what_the_plugin_did_per_run(tmp_path):
+    arms = {a.name: a for a in vllm_arms([], ["goodput"], "p.json", stats_dir=tmp_path)}
+    stats = arms["vllm:plugin:goodput"].env["SPECPLAN_VLLM_STATS"]
+    assert stats == str(tmp_path / "plugin-goodput.json")
+    assert arms["vllm:plugin:goodput"].env["SPECPLAN_VLLM_STATS_EVERY_S"] == "1.0"
+    assert "SPECPLAN_VLLM_STATS" not in arms[OFF].env
+    assert plugin_counters(None) is None
+    before = plugin_counters(stats)  # nothing written yet: zeros
+    assert before == dict.fromkeys(before, 0.0)
+    # The plugin's stats file after a run of 10 calls over 40 request-steps, 20 drafts, 5 accepted.
+    (tmp_path / "plugin-goodput.json").write_text(json.dumps(
+        {"calls": 10, "request_steps": 40, "decisions": 6, "drafts_proposed": 20, "drafts_accepted": 5,
+         "own_s": 0.02, "phase_s": {}}))
+    did = plugin_run_summary(before, plugin_counters(stats))
+    assert did == pytest.approx({"calls": 10, "drafts_per_request_step": 0.5, "accepted_per_draft": 0.25,
+                                 "own_ms_per_call": 2.0})
+    quiet = plugin_run_summary(before, dict(before, calls=3.0, request_steps=12.0))
+    assert quiet["accepted_per_draft"] is None and quiet["drafts_per_request_step"] == 0.0
+    runs = runs_of({OFF: [10, 10], "vllm:plugin:goodput": [9, 11]})
+    runs[2]["plugin"], runs[3]["plugin"] = did, quiet
+    row = {r["arm"]: r for r in summarize(runs)}["vllm:plugin:goodput"]
+    assert row["plugin"]["accepted_per_draft"] == pytest.approx(0.25)  # the repeat without drafts has none
+    assert row["plugin"]["own_ms_per_call"] == pytest.approx((2.0 + 0.0) / 2)
+    text = render(runs, tmp_path / "out", run_meta("cmd", "0.32.0")).read_text()
+    assert "| w | 4 | vllm:plugin:goodput | 1.000 | 0.25 | 0.25 | 1.00 |" in text
 
 
 def test_null_control_reruns_vllm_off_and_is_reported_against_it(tmp_path):

@@ -171,6 +171,20 @@ def test_acceptance_and_step_time_reach_the_planner():
     assert drafter.stats.drafts_accepted == 2 and drafter.stats.drafts_proposed == 6
 
 
+def test_stats_file_is_rewritten_every_call_or_at_most_as_often_as_asked(tmp_path):
+    b = Batch()
+    b.put(0, REPEATING + [5])
+    for every_s, writes in ((0.0, 3), (3600.0, 1)):  # an hour apart: only the first call's
+        path = tmp_path / f"stats-{every_s:g}.json"
+        drafter = PlanningDrafter(Scripted(k=0), 4, MAX_LEN, stats_path=str(path), stats_every_s=every_s)
+        for _ in range(3):
+            drafter.propose([[5]], b.lens, b.toks)
+            b.append(0, [5])
+        assert json.loads(path.read_text())["calls"] == writes
+    opts = PluginOptions(stats_path="/s.json", stats_every_s=1.0)
+    assert PluginOptions.from_env(opts.to_env()) == opts
+
+
 def test_caps_k_zero_and_max_model_len():
     b = Batch()
     b.put(0, REPEATING + [5])

@@ -14,7 +14,11 @@ that, beside the steady state:
   arm, arms interleaved (rotated by one each run) so a slow spell hits them alike; a run's reading
   of an arm is its output tokens over its seconds summed over the prompts. Reported: median over
   runs, the spread ((max - min) / median), and ratios paired within a run (evaluate.py
-  ``paired_ratios``: the best static k is picked on the other runs).
+  ``paired_ratios``: the best static k is picked on the other runs). A single request's tok/s
+  moves 10-20% from one minute to the next on a shared VM, in every arm alike, so the spread is
+  also read *paired*: the spread of an arm's tok/s over SD off's in the same run (the processes
+  run back to back), which leaves what the arm itself adds to the machine's drift. SD off run a
+  second time as its own arm (``control:off``, the null control) shows what pairing alone reads.
 * **mixed-batch cells** – all workloads in one B = batch closed batch (batch / 4 prompts of each,
   interleaved): SD off, each static k, the planner (cold, a fresh one per run), in one process.
 * **calibration** – one planner, cold, serving a workload's requests one after another (B = 1):
@@ -77,10 +81,13 @@ def _store(loaded, profile, path: str):
 
 
 def _decider(job: ChildJob, loaded, profile):
+    from specplan.bench.evaluate import NULL_CONTROL
     from specplan.engine import FixedDecider
     from specplan.planner.from_profile import planner_from_profile
     from specplan.policies import make_policy
 
+    if job.arm == NULL_CONTROL:
+        return FixedDecider(0)
     if job.arm.startswith("static:"):
         return FixedDecider(int(job.arm.split(":")[1]))
     planner = planner_from_profile(profile, make_policy("goodput"), proposer=job.proposer, max_k=8)
@@ -137,13 +144,14 @@ def _prompts(loaded, workload: str, n: int, skip: int = 0) -> list[list[int]]:
 
 def cold_start_rows(loaded, profile_path: Path, *, workloads=WORKLOADS, prompts: int = 3, runs: int = 5,
                     static_ks=STATIC_KS, max_tokens: int = 128, train_prompts: int = 8, model: str | None = None,
-                    proposer: str = "ngram", out_dir: Path, bar=None) -> list[dict]:
+                    proposer: str = "ngram", null_control: bool = True, out_dir: Path, bar=None) -> list[dict]:
     """One row per (workload, arm, run, prompt): a child process each. The beliefs of the
     ``adaptive+beliefs`` arm come from one child per workload that served ``train_prompts``
-    prompts the evaluation does not use (evaluate.py ``held_out_prompts``) and saved them."""
-    from specplan.bench.evaluate import held_out_prompts
+    prompts the evaluation does not use (evaluate.py ``held_out_prompts``) and saved them.
+    ``null_control``: SD off runs a second time as its own arm (``control:off``)."""
+    from specplan.bench.evaluate import NULL_CONTROL, held_out_prompts
 
-    arms = [OFF] + [f"static:{k}" for k in static_ks if k] + [ADAPTIVE, WARM]
+    arms = [OFF] + [f"static:{k}" for k in static_ks if k] + [ADAPTIVE, WARM] + ([NULL_CONTROL] if null_control else [])
     rows = []
     task = bar.add_task("cold start", total=len(workloads) * (1 + runs * prompts * len(arms))) if bar else None
 
@@ -277,6 +285,15 @@ def _spread(xs: list[float]) -> float:
     return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
 
 
+def _paired_spread(runs: dict[str, list[float]], arm: str) -> float:
+    """The spread of ``arm``'s reading over SD off's in the same run (lists aligned by run).
+
+    Worked example: off [10, 12, 11], arm [13, 15, 13] -> ratios [1.3, 1.25, 1.18], spread
+    (1.3 - 1.18) / 1.25 = 0.09, where the raw spread of the arm is (15 - 13) / 13 = 0.15: the
+    machine's slower third run is common to both."""
+    return _spread([a / o for a, o in zip(runs[arm], runs[OFF])])
+
+
 def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, after=CALIBRATION_AFTER,
               window: int = 5) -> dict:
     """Per cell: each arm's median and spread over runs, the adaptive arms' paired ratios and the
@@ -293,24 +310,32 @@ def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, a
         digests = {arm: {(x["prompt"], x["digest"]) for rs in per.values() for x in rs} for arm, per in arms.items()}
         cell = {"tok_s_median": {a: statistics.median(v) for a, v in runs.items()},
                 "spread": {a: _spread(v) for a, v in runs.items()}, "tok_s_runs": runs,
+                "paired_spread": {a: _paired_spread(runs, a) for a in runs if a != OFF} if OFF in runs else {},
                 "lossless": len({frozenset(d) for d in digests.values()}) == 1}
+        if NULL_CONTROL in runs and OFF in runs:
+            cell["null_control_vs_off"] = paired_ratios(runs, NULL_CONTROL)[0]
         statics = {a: v for a, v in runs.items() if a.startswith("static:")}
         best = max(statics, key=lambda a: statistics.median(statics[a]))
         cell["best_static"] = best
         for arm, bar in ((ADAPTIVE, COLD_VS_BEST_STATIC), (WARM, WARM_VS_BEST_STATIC)):
             if arm in runs:
                 vs_off, vs_best = paired_ratios(runs, arm)
+                paired = cell["paired_spread"]
+                # SD off's paired spread is 0 by construction: where off is the best static k, the
+                # null control's (off against off, run to run) stands for it.
+                versus = best if best != OFF else NULL_CONTROL
                 cell[arm] = {"paired_vs_off": vs_off, "paired_vs_best_static": vs_best, "bar": bar,
                              "meets_bar": vs_best >= bar,
-                             "spread_no_wider_than_best_static": cell["spread"][arm] <= cell["spread"][best]}
+                             "spread_no_wider_than_best_static": cell["spread"][arm] <= cell["spread"][best],
+                             "paired_spread_no_wider_than_best_static": (
+                                 paired[arm] <= paired[versus] if arm in paired and versus in paired else None)}
         out["cold_start"][w] = cell
     if mixed:
         runs: dict[str, list[float]] = {}
         for r in sorted(mixed, key=lambda r: r["run"]):
             runs.setdefault(r["arm"], []).append(r["goodput"])
         vs_off, vs_best = paired_ratios(runs, ADAPTIVE) if ADAPTIVE in runs else (math.nan, math.nan)
-        null = (statistics.median(c / o for c, o in zip(runs[NULL_CONTROL], runs[OFF]))
-                if NULL_CONTROL in runs else None)
+        null = paired_ratios(runs, NULL_CONTROL)[0] if NULL_CONTROL in runs else None
         out["mixed"] = {"batch": mixed[0]["batch"], "goodput_median": {a: statistics.median(v) for a, v in runs.items()},
                         "spread": {a: _spread(v) for a, v in runs.items()}, "goodput_runs": runs,
                         "paired_vs_off": vs_off, "paired_vs_best_static": vs_best, "null_control_vs_off": null,
@@ -382,7 +407,9 @@ def render(result: dict, out_dir: Path) -> Path:
                       f"before each measured request are not timed). `{WARM}` starts from beliefs saved by one "
                       f"process that served {cfg['train_prompts']} other prompts of the workload. Ratios are paired "
                       "within a run; the best static k is picked on the other runs (evaluate.py `paired_ratios`). "
-                      "Spread: (max - min) / median over runs.")
+                      "Spread: (max - min) / median over runs; paired spread: the same of an arm's tok/s over SD "
+                      "off's in the same run (the machine's drift, common to both, cancels; "
+                      f"`{NULL_CONTROL}`, SD off run again as its own arm, shows what is left of it).")
     lines.append("")
     if result.get("busy_machine_note") and timed:  # calibration alone reads acceptance, not speed
         lines += [f"**{result['busy_machine_note']}**", ""]
@@ -393,18 +420,34 @@ def render(result: dict, out_dir: Path) -> Path:
         for w, c in cold.items():
             lines.append(f"| {w} | " + " | ".join(f"{c['tok_s_median'][a]:.1f} ({100 * c['spread'][a]:.0f}%)"
                                                  for a in arms) + " |")
+        paired_arms = [a for a in arms if a != OFF]
+        if any(c.get("paired_spread") for c in cold.values()):
+            lines += ["", "Paired spread (each arm's tok/s over SD off's in the same run):", "",
+                      "| workload | " + " | ".join(paired_arms) + " |", "|---|" + "---|" * len(paired_arms)]
+            for w, c in cold.items():
+                ps = c.get("paired_spread", {})
+                lines.append(f"| {w} | " + " | ".join(f"{100 * ps[a]:.0f}%" if a in ps else "-" for a in paired_arms)
+                             + " |")
         lines += ["", f"Paired ratios (bar: `{ADAPTIVE}` >= {COLD_VS_BEST_STATIC} x the best static k, `{WARM}` >= "
-                  f"{WARM_VS_BEST_STATIC} x, spread no wider than the best static k's):", "",
-                  "| workload | best static | arm | vs off | vs best static | bar | spread <= best static's | lossless |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  f"{WARM_VS_BEST_STATIC} x, spread no wider than the best static k's, raw and paired; where SD off "
+                  f"is the best static k, its paired spread is the null control's):", "",
+                  "| workload | best static | arm | vs off | vs best static | bar | spread <= best static's | "
+                  "paired spread <= best static's | null control vs off | lossless |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+
+        def yes_no(v) -> str:
+            return "-" if v is None else "yes" if v else "no"
+
         for w, c in cold.items():
             for arm in (ADAPTIVE, WARM):
                 if arm in c:
                     a = c[arm]
+                    null = c.get("null_control_vs_off")
                     lines.append(f"| {w} | {c['best_static']} | {arm} | {a['paired_vs_off']:.3f} | "
-                                 f"{a['paired_vs_best_static']:.3f} | {'yes' if a['meets_bar'] else 'no'} | "
-                                 f"{'yes' if a['spread_no_wider_than_best_static'] else 'no'} | "
-                                 f"{'yes' if c['lossless'] else 'NO'} |")
+                                 f"{a['paired_vs_best_static']:.3f} | {yes_no(a['meets_bar'])} | "
+                                 f"{yes_no(a['spread_no_wider_than_best_static'])} | "
+                                 f"{yes_no(a.get('paired_spread_no_wider_than_best_static'))} | "
+                                 f"{'-' if null is None else f'{null:.3f}'} | {'yes' if c['lossless'] else 'NO'} |")
     mixed = s.get("mixed")
     if mixed:
         arms = list(mixed["goodput_median"])
@@ -503,7 +546,7 @@ def render(result: dict, out_dir: Path) -> Path:
 def run_coldstart(out_dir: Path, *, model: str | None = None, profile: str | None = None, workloads=WORKLOADS,
                   prompts: int = 3, runs: int = 5, static_ks=STATIC_KS, max_tokens: int = 128,
                   train_prompts: int = 8, mixed_batch: int = 16, calibration_after=CALIBRATION_AFTER,
-                  calibration_window: int = 5, proposer: str = "ngram", progress: bool = True,
+                  calibration_window: int = 5, proposer: str = "ngram", null_control: bool = True, progress: bool = True,
                   command: str = "specplan bench coldstart") -> Path:
     """Every part (``mixed_batch`` 0 or an empty ``calibration_after`` leaves one out); writes
     coldstart.json, coldstart.md and coldstart.png into ``out_dir`` and returns the Markdown's path."""
@@ -514,16 +557,19 @@ def run_coldstart(out_dir: Path, *, model: str | None = None, profile: str | Non
     from specplan.profiler.machine import describe, load_average, machine_info
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Read before this run's own work: a fresh quick profile keeps both cores busy for minutes, and
+    # read after it the load would call a quiet machine busy.
+    load_before = (load_average() or [None])[0]
     loaded = load_model(model)
     prof = load_or_make_profile(loaded, profile)
     profile_path = out_dir / "profile.json"
     prof.save(profile_path)  # every child steers by this very profile
-    load_before = (load_average() or [None])[0]
     t0 = time.time()
     with Progress(disable=not progress) as bar:
         cold = cold_start_rows(loaded, profile_path, workloads=workloads, prompts=prompts, runs=runs,
                                static_ks=static_ks, max_tokens=max_tokens, train_prompts=train_prompts, model=model,
-                               proposer=proposer, out_dir=out_dir, bar=bar) if prompts and runs else []
+                               proposer=proposer, null_control=null_control, out_dir=out_dir,
+                               bar=bar) if prompts and runs else []
         mixed = mixed_rows(loaded, prof, batch=mixed_batch, runs=runs, static_ks=static_ks, max_tokens=max_tokens,
                            workloads=workloads, proposer=proposer, bar=bar) if mixed_batch else []
         calibration = calibration_rows(loaded, prof, workloads=workloads, after=calibration_after,
@@ -535,7 +581,7 @@ def run_coldstart(out_dir: Path, *, model: str | None = None, profile: str | Non
         "config": {"workloads": list(workloads), "prompts": prompts, "runs": runs, "static_ks": list(static_ks),
                    "max_tokens": max_tokens, "train_prompts": train_prompts, "mixed_batch": mixed_batch,
                    "calibration_after": list(calibration_after), "calibration_window": calibration_window,
-                   "proposer": proposer, "model": loaded.name},
+                   "proposer": proposer, "null_control": null_control, "model": loaded.name},
         "summary": summarize(cold, mixed, calibration, after=calibration_after, window=calibration_window),
         "rows": {"cold_start": cold, "mixed": mixed, "calibration": calibration},
     }

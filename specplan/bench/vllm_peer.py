@@ -65,9 +65,10 @@ class VllmArm:
 
 
 def vllm_arms(static_ks: list[int], policies: list[str], profile: str | None, proposer: str = "ngram",
-              max_k: int = 8, table: list[list[int]] | None = None) -> list[VllmArm]:
+              max_k: int = 8, table: list[list[int]] | None = None, stats_dir: Path | None = None) -> list[VllmArm]:
     """vLLM off, vLLM's n-gram at each static k, the exported ``table`` ([[start, end, k], ...];
-    all k = 0 runs as off) and the plugin under each policy."""
+    all k = 0 runs as off) and the plugin under each policy (its counters written into
+    ``stats_dir``, if given: ``PLUGIN_COUNTERS`` per run)."""
     arms = [VllmArm(OFF)]
     for k in static_ks:
         arms.append(VllmArm(f"vllm:static:{k}", {**NGRAM, "num_speculative_tokens": k}))
@@ -79,10 +80,38 @@ def vllm_arms(static_ks: list[int], policies: list[str], profile: str | None, pr
     from specplan.integrations.vllm import PluginOptions
 
     for policy in policies:
-        options = PluginOptions(policy=policy, profile=profile, proposer=proposer)
+        stats = str(stats_dir / f"plugin-{policy.replace(':', '_')}.json") if stats_dir is not None else None
+        # Counters written at most once a second (a write costs a few ms; after every call it would
+        # slow the arm measured): a run's counters are those of its calls up to a second apart.
+        options = PluginOptions(policy=policy, profile=profile, proposer=proposer, stats_path=stats,
+                                stats_every_s=1.0 if stats else 0.0)
         arms.append(VllmArm(f"vllm:plugin:{policy}", {"method": "custom_class", "model": PLUGIN,
                                                       "num_speculative_tokens": max_k}, options.to_env()))
     return arms
+
+
+# What the plugin did in a run (the difference of its counters across the run: its stats file is
+# rewritten after every call; integrations/vllm.py ``DrafterStats``).
+PLUGIN_COUNTERS = ("calls", "request_steps", "decisions", "drafts_proposed", "drafts_accepted", "own_s")
+
+
+def plugin_counters(stats_path: str | None) -> dict[str, float] | None:
+    """The plugin's cumulative counters now (zeros before its first call); None without a stats file."""
+    if stats_path is None:
+        return None
+    try:
+        stats = json.loads(Path(stats_path).read_text())
+    except (OSError, ValueError):  # not written yet (or being replaced: the write is atomic)
+        stats = {}
+    return {k: float(stats.get(k, 0.0)) for k in PLUGIN_COUNTERS}
+
+
+def plugin_run_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per run: drafts per request-step, accepted per draft, the plugin's milliseconds per call."""
+    d = {k: after[k] - before[k] for k in PLUGIN_COUNTERS}
+    return {"calls": d["calls"], "drafts_per_request_step": d["drafts_proposed"] / max(d["request_steps"], 1.0),
+            "accepted_per_draft": d["drafts_accepted"] / d["drafts_proposed"] if d["drafts_proposed"] else None,
+            "own_ms_per_call": 1e3 * d["own_s"] / max(d["calls"], 1.0)}
 
 
 class LoadedArm:
@@ -112,13 +141,18 @@ class LoadedArm:
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         outputs = []
+        stats_path = self.arm.env.get("SPECPLAN_VLLM_STATS")
+        before = plugin_counters(stats_path)
         t0 = time.perf_counter()
         for start in range(0, len(prompts), batch):  # waves of B: concurrency B
             wave = [TokensPrompt(prompt_token_ids=p) for p in prompts[start:start + batch]]
             outputs += [list(o.outputs[0].token_ids) for o in self.llm.generate(wave, params, use_tqdm=False)]
         seconds = time.perf_counter() - t0
         tokens = sum(map(len, outputs))
-        return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "outputs": outputs}
+        out = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "outputs": outputs}
+        if before is not None:
+            out["plugin"] = plugin_run_summary(before, plugin_counters(stats_path))
+        return out
 
 
 class NullControl:
@@ -174,9 +208,11 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
              policies: list[str], profile: str | None, engine_policies: list[str] | None,
              engine_profile: str | None, max_tokens: int, repeats: int, min_requests: int, seed: int = 0,
              table: list[list[int]] | None = None, enforce_eager: bool = False, progress: bool = True,
-             engine_quantize: str = "none", on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
+             engine_quantize: str = "none", stats_dir: Path | None = None,
+             on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Every arm on every cell, ``repeats`` times interleaved; one dict per (cell, arm, repeat).
-    ``on_cell(runs so far)`` is called after each repeat of each cell."""
+    ``on_cell(runs so far)`` is called after each repeat of each cell; ``stats_dir``: where the
+    plugin arms write their counters (what each run drafted, and the plugin's time per call)."""
     from rich.progress import Progress
     from transformers import AutoTokenizer
 
@@ -191,7 +227,7 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     set_vllm_env_defaults()
     arms: list = [LoadedArm(a, model_dir, max(batch_sizes), longest + max_tokens + 64, seed, enforce_eager)
-                  for a in vllm_arms(static_ks, policies, profile, table=table)]
+                  for a in vllm_arms(static_ks, policies, profile, table=table, stats_dir=stats_dir)]
     arms.append(NullControl(arms[0]))
     if engine_policies is not None:
         arms += engine_arms(model, engine_policies, max(batch_sizes), engine_profile, engine_quantize)
@@ -232,10 +268,13 @@ def summarize(runs: list[dict]) -> list[dict]:
     median) against vLLM off and vLLM's best static k of the cell."""
     cells: dict[tuple, dict[str, dict[int, float]]] = {}
     same: dict[tuple, bool] = {}
+    plugin: dict[tuple, list[dict]] = {}
     for r in runs:
         key = (r["workload"], r["batch_size"])
         cells.setdefault(key, {}).setdefault(r["arm"], {})[r["repeat"]] = r["tokens_per_s"]
         same[key + (r["arm"],)] = same.get(key + (r["arm"],), True) and r["same_as_vllm_off"]
+        if r.get("plugin"):
+            plugin.setdefault(key + (r["arm"],), []).append(r["plugin"])
     rows = []
     for (w, b), arms in cells.items():
         statics = {a: statistics.median(v.values()) for a, v in arms.items() if a.startswith("vllm:static:")}
@@ -246,10 +285,19 @@ def summarize(runs: list[dict]) -> list[dict]:
                     return None
                 return statistics.median(by_rep[i] / arms[other][i] for i in by_rep if i in arms[other])
 
-            rows.append({"workload": w, "batch_size": b, "arm": arm, "tokens_per_s": statistics.median(by_rep.values()),
-                         "vs_vllm_off": paired(OFF), "vs_vllm_best_static": paired(best), "best_static": best,
-                         "same_as_vllm_off": same[(w, b, arm)]})
+            row = {"workload": w, "batch_size": b, "arm": arm, "tokens_per_s": statistics.median(by_rep.values()),
+                   "vs_vllm_off": paired(OFF), "vs_vllm_best_static": paired(best), "best_static": best,
+                   "same_as_vllm_off": same[(w, b, arm)]}
+            did = plugin.get((w, b, arm))
+            if did:
+                row["plugin"] = {k: _median_of_known(x[k] for x in did) for k in did[0]}
+            rows.append(row)
     return rows
+
+
+def _median_of_known(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def run_meta(command: str, vllm_version: str, *, complete: bool = True) -> dict:
@@ -312,6 +360,18 @@ def render(runs: list[dict], out_dir: Path, meta: dict) -> Path:
             lo, hi = mine[0], mine[-1]
             lines.append(f"- {arm}: {lo['vs_vllm_off']:.3f}x ({lo['workload']} B={lo['batch_size']}) to "
                          f"{hi['vs_vllm_off']:.3f}x ({hi['workload']} B={hi['batch_size']})")
+    did = [r for r in rows if r.get("plugin")]
+    if did:
+        lines += ["", "What the plugin did (medians over repeats): drafts per request-step, accepted drafts per "
+                  "draft, and its own milliseconds per `propose` call (reading the batch, the planner's observe "
+                  "and decide, the lookups).", "",
+                  "| workload | B | arm | vs vLLM off | drafts / request-step | accepted / draft | plugin ms / call |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in did:
+            p = r["plugin"]
+            acc = "-" if p["accepted_per_draft"] is None else f"{p['accepted_per_draft']:.2f}"
+            lines.append(f"| {r['workload']} | {r['batch_size']} | {r['arm']} | {r['vs_vllm_off']:.3f} | "
+                         f"{p['drafts_per_request_step']:.2f} | {acc} | {p['own_ms_per_call']:.2f} |")
     engine_rows = [r for r in rows if r["arm"].startswith("engine:")]
     if engine_rows:
         lines += ["", "specplan's engine vs vLLM off, same prompts and tokens (paired):", ""]
@@ -385,12 +445,14 @@ def main(argv: list[str] | None = None) -> None:
     import vllm
 
     command = "python -m specplan.bench.vllm_peer " + shlex.join(argv or sys.argv[1:])
+    stats_dir = args.out / "plugin-stats"  # the plugin arms' counters (vLLM's worker writes them)
+    stats_dir.mkdir(parents=True, exist_ok=True)
     runs = run_peer(model=args.model, workloads=args.workloads.split(","), batch_sizes=ints(args.batch_sizes),
                     static_ks=ints(args.static_ks), policies=[p for p in args.policies.split(",") if p],
                     profile=args.profile, engine_policies=engine_policies, engine_profile=args.engine_profile,
                     max_tokens=args.max_tokens, repeats=args.repeats, min_requests=args.min_requests,
                     table=table, enforce_eager=args.enforce_eager, progress=sys.stderr.isatty(),
-                    engine_quantize=args.engine_quantize,
+                    engine_quantize=args.engine_quantize, stats_dir=stats_dir,
                     on_cell=lambda so_far: render(so_far, args.out, run_meta(command, vllm.__version__, complete=False)))
     path = render(runs, args.out, run_meta(command, vllm.__version__))
     print(f"wrote {path} and {path.with_suffix('.json')}")
