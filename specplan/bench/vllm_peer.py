@@ -90,8 +90,8 @@ def vllm_arms(static_ks: list[int], policies: list[str], profile: str | None, pr
     return arms
 
 
-# What the plugin did in a run (the difference of its counters across the run: its stats file is
-# rewritten after every call; integrations/vllm.py ``DrafterStats``).
+# What the plugin did in a run: the difference of its counters (integrations/vllm.py ``DrafterStats``)
+# read from its stats file before and after the run.
 PLUGIN_COUNTERS = ("calls", "request_steps", "decisions", "drafts_proposed", "drafts_accepted", "own_s")
 
 
