@@ -139,7 +139,7 @@ print("ok")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["generic", "avx2"])  # avx2: the fallback of an AVX-512 CPU (native here if not)
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])  # avx2, avx512: the fallbacks of an AVX-512 VNNI CPU (native here if not)
 def test_narrower_isa_builds_agree(isa, tmp_path):
     """The kernels built for a CPU without AVX-512/AVX2 (forced with SPECPLAN_CPU_ISA) compute the
     same products; built in a subprocess, since one process can load only one build of the ops."""

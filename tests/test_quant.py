@@ -53,19 +53,19 @@ def test_quantize_matches_gguf_py_bit_for_bit(fmt):
 
 
 def test_pack_layout_worked_example():
-    # quant_linear.cpp's example: Q4_1, column 2, k = 13 of block 0 -> byte 73 of the block, high nibble.
-    q = torch.zeros(11, 2, 32, dtype=torch.int8)
+    # quant_linear.cpp's example: Q4_1, column 2, k = 13 of block 0 -> byte 137 of the block, high nibble.
+    q = torch.zeros(19, 2, 32, dtype=torch.int8)
     q[2, 0, 13] = 9
-    q[10, 1, 0] = 5  # column 10 = panel 1's column 2; block 1, k 0: group 0, low nibble of byte 32 + 8
-    d = torch.arange(1, 23, dtype=torch.float16).view(11, 2)
+    q[18, 1, 0] = 5  # column 18 = panel 1's column 2; block 1, k 0: group 0, low nibble of byte 64 + 8
+    d = torch.arange(1, 39, dtype=torch.float16).view(19, 2)
     packed = QuantWeight("q4_1", d, q, m=-d).pack()
-    assert packed.shape == (2, 2, 160)  # 11 columns -> 2 panels of 8 (5 padded), 2 blocks
-    quants = packed[..., 32:]  # [P, KB, 128]
-    assert quants[0, 0, 73 - 32] == 9 << 4 and quants[1, 1, 8] == 5
+    assert packed.shape == (2, 2, 320)  # 19 columns -> 2 panels of 16 (13 padded), 2 blocks
+    quants = packed[..., 64:]  # [P, KB, 256]
+    assert quants[0, 0, 137 - 64] == 9 << 4 and quants[1, 1, 8] == 5
     assert quants.count_nonzero() == 2
-    assert torch.equal(packed[0, 1, :16].view(torch.float16), d[:8, 1])  # block 1's d, columns 0..7
-    assert torch.equal(packed[1, 0, 16:22].view(torch.float16), -d[8:, 0])  # m of columns 8..10
-    assert torch.all(packed[1, :, 6:16] == 0) and torch.all(packed[1, :, 22:32] == 0)  # padded columns
+    assert torch.equal(packed[0, 1, :32].view(torch.float16), d[:16, 1])  # block 1's d, columns 0..15
+    assert torch.equal(packed[1, 0, 32:38].view(torch.float16), -d[16:, 0])  # m of columns 16..18
+    assert torch.all(packed[1, :, 6:32] == 0) and torch.all(packed[1, :, 38:64] == 0)  # padded columns
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -25,12 +25,12 @@ import torch
 
 
 BLOCK = 32  # weights per block along K
-PANEL_COLUMNS = 8  # output columns per packed panel (NC in quant_linear.cpp)
+PANEL_COLUMNS = 16  # output columns per packed panel (NC in quant_linear.cpp)
 FORMATS = ("q8_0", "q4_0", "q4_1")
 # GGUF bytes per block: fp16 d (+ fp16 m), then the quants (Q4: two per byte).
 GGUF_BLOCK_BYTES = {"q8_0": 2 + 32, "q4_0": 2 + 16, "q4_1": 4 + 16}
-# Packed bytes per (panel of 8 columns, block): 8 d (+ 8 m) fp16, then 8 x 32 quants.
-PACKED_BLOCK_BYTES = {"q8_0": 16 + 256, "q4_0": 16 + 128, "q4_1": 32 + 128}
+# Packed bytes per (panel of 16 columns, block): 16 d (+ 16 m) fp16, then 16 x 32 quants.
+PACKED_BLOCK_BYTES = {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256}
 BITS_PER_WEIGHT = {fmt: 8 * nbytes / BLOCK for fmt, nbytes in GGUF_BLOCK_BYTES.items()}  # 8.5, 4.5, 5.0
 # ``--quantize`` names: the projections' format and the LM head's (kept at 8 bits, as llama.cpp's
 # Q4 files keep their output and token embedding wider).
@@ -119,27 +119,28 @@ class QuantWeight:
 
     def pack(self) -> torch.Tensor:
         """-> [P, KB, bytes per block] uint8, quant_linear.cpp's layout: panel p holds columns
-        8p..8p+7 (zero past N); per block their fp16 d (and m), then 8 groups of 4 k with column
-        c's four values at bytes 4c..4c+3 (Q4: groups 2i and 2i+1 share 32 bytes, low and high
+        16p..16p+15 (zero past N); per block their fp16 d (and m), then 8 groups of 4 k with column
+        c's four values at bytes 4c..4c+3 (Q4: groups 2i and 2i+1 share 64 bytes, low and high
         nibble)."""
         n, kb = self.q.shape[0], self.q.shape[1]
         panels = -(-n // PANEL_COLUMNS)
         pad = panels * PANEL_COLUMNS - n
 
-        def by_panel(t: torch.Tensor) -> torch.Tensor:  # [N, KB, ...] -> [P, KB, 8, ...], zero padded
+        def by_panel(t: torch.Tensor) -> torch.Tensor:  # [N, KB, ...] -> [P, KB, 16, ...], zero padded
             t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
             return t.view(panels, PANEL_COLUMNS, kb, *t.shape[2:]).transpose(1, 2)
 
-        scales = [by_panel(self.d).contiguous().view(torch.uint8)]  # [P, KB, 16]
+        group = 4 * PANEL_COLUMNS  # bytes of one group of 4 k over the panel's columns
+        scales = [by_panel(self.d).contiguous().view(torch.uint8)]  # [P, KB, 32]
         if self.fmt == "q4_1":
             scales.append(by_panel(self.m).contiguous().view(torch.uint8))
-        q = by_panel(self.q.view(n, kb, 8, 4))  # [P, KB, 8 columns, 8 groups, 4]
-        q = q.transpose(2, 3).reshape(panels, kb, 8, 32)  # [P, KB, group, column * 4 + j]
+        q = by_panel(self.q.view(n, kb, 8, 4))  # [P, KB, 16 columns, 8 groups, 4]
+        q = q.transpose(2, 3).reshape(panels, kb, 8, group)  # [P, KB, group, column * 4 + j]
         if self.fmt == "q8_0":
-            quants = q.contiguous().view(torch.uint8).view(panels, kb, 256)
+            quants = q.contiguous().view(torch.uint8).view(panels, kb, 8 * group)
         else:
-            q = q.to(torch.uint8).view(panels, kb, 4, 2, 32)  # groups (2i, 2i + 1)
-            quants = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(panels, kb, 128)
+            q = q.to(torch.uint8).view(panels, kb, 4, 2, group)  # groups (2i, 2i + 1)
+            quants = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(panels, kb, 4 * group)
         return torch.cat([*scales, quants], dim=-1).contiguous()
 
 

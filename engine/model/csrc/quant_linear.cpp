@@ -9,9 +9,9 @@
 // the bytes shrink 6x and the unpacking work becomes the cost to beat. So the product runs in
 // integers, as llama.cpp does: each row of x is quantised per block of 32 to int8 (Q8_0-style,
 // scale dx = max|x| / 127, round half to even) and each block's dot product is 32 int8 x int8 (or
-// 4-bit) multiplies summed exactly in int32; only the per-block scales are float. One AVX2
-// `vpmaddubsw` does 32 multiplies where one float FMA does 8, and no weight is ever widened to
-// float, so a 4-bit weight costs a few instructions per 8 columns x 4 k, shared by every row.
+// 4-bit) multiplies summed exactly in int32; only the per-block scales are float. One 512-bit
+// `vpdpbusd` does 64 multiplies where one float FMA does 16, and no weight is ever widened to
+// float, so a 4-bit weight costs a few instructions per 16 columns x 4 k, shared by every row.
 //
 // Formats (weights of a block of 32 along K, per output column n):
 //   Q8_0  w = d * q,        q int8,  d fp16                   (8.5 bits per weight)
@@ -22,25 +22,26 @@
 //   Q4_0  dot = d * (dx * sum(q qx) - 8 sx)                    (q unsigned, the -8 folded in)
 //   Q4_1  dot = d * dx * sum(q qx) + m * sx
 //
-// Packed layout (engine/model/quant.py's pack): packed [P, KB, BPB] uint8, P = ceil(N / 8) panels
-// of 8 output columns, KB = K / 32 blocks, BPB bytes per (panel, block):
-//   scales   8 x fp16 d (16 bytes), then for Q4_1 8 x fp16 m (16 bytes)
-//   quants   8 groups of 4 k: group g holds k = 4g..4g+3 of the 8 columns, column c's four
-//            values at bytes 4c..4c+3 (the int32 lane c of a 256-bit register)
-//            Q8_0: group g is 32 bytes at 32g (256 bytes)
-//            Q4_x: 4 x 32 bytes; byte 4c + j of row i holds group 2i in its low nibble and group
-//                  2i + 1 in its high nibble (128 bytes)
-//   BPB = 272 (Q8_0), 144 (Q4_0), 160 (Q4_1): the format follows from the shape alone.
+// Packed layout (engine/model/quant.py's pack): packed [P, KB, BPB] uint8, P = ceil(N / 16)
+// panels of 16 output columns, KB = K / 32 blocks, BPB bytes per (panel, block):
+//   scales   16 x fp16 d (32 bytes), then for Q4_1 16 x fp16 m (32 bytes)
+//   quants   8 groups of 4 k: group g holds k = 4g..4g+3 of the 16 columns, column c's four
+//            values at bytes 4c..4c+3 (the int32 lane c of a 512-bit register)
+//            Q8_0: group g is 64 bytes at 64g (512 bytes)
+//            Q4_x: 4 x 64 bytes; byte 4c + j of row i holds group 2i in its low nibble and group
+//                  2i + 1 in its high nibble (256 bytes)
+//   BPB = 544 (Q8_0), 288 (Q4_0), 320 (Q4_1): the format follows from the shape alone.
 // Worked example: Q4_1, column c = 2, k = 13 of block 0: group g = 3 (k 12..15), j = 1;
-//   row i = 1 (g = 2i + 1: high nibble), byte 32 + 32 * 1 + 4 * 2 + 1 = 73 of the block.
+//   row i = 1 (g = 2i + 1: high nibble), byte 64 + 64 * 1 + 4 * 2 + 1 = 137 of the block.
 //
-// Per panel, per block, per row r (a broadcast of x's 4 int8 of group g to all 8 lanes):
+// Per panel, per block, per row r (a broadcast of x's 4 int8 of group g to all 16 lanes):
 //   acc_int[lane c] += sum_j q[c, 4g + j] * qx[r, 4g + j]          (8 groups; no horizontal sums)
-//   acc[r] (8 floats) += d[8] * (float(acc_int) * dx[r]) (+ m[8] * sx[r])
-// The int8 products: vpmaddubsw needs one unsigned operand: 4-bit q is unsigned (pairs <= 2 * 15
-// * 127, and eight groups summed in int16 <= 30480 < 2^15: one vpmaddwd per block); Q8_0 uses
-// |q| and x with q's sign (pairs <= 2 * 128 * 127 < 2^15). With AVX512-VNNI `vpdpbusd` sums
-// straight into int32 (same integers, one instruction instead of two or three).
+//   acc[r] (16 floats) += d[16] * (float(acc_int) * dx[r]) (+ m[16] * sx[r])
+// The int8 products: with AVX512-VNNI one `vpdpbusd` (unsigned x signed bytes, summed in int32)
+// per row and group does 16 columns x 4 k; Q8_0's signed q goes in as q + 128 with 128 sum(qx)
+// taken off. Without it (AVX2, 8 columns a register: the panel in two halves) `vpmaddubsw` needs
+// one unsigned operand: 4-bit q is unsigned; Q8_0 uses |q| and x with q's sign (pairs <= 2 * 128
+// * 127 < 2^15), then `vpmaddwd` into int32. The same integers either way.
 //
 // Every row's result is the same sequence of float operations whatever M is and wherever the row
 // sits in a block (the int sums are exact; the float sum runs over the blocks in order): a verify
@@ -68,31 +69,35 @@
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define SPECPLAN_QUANT_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPECPLAN_QUANT_VNNI512 1  // a panel's 16 columns in one 512-bit register
+#endif
 #endif
 
 namespace {
 
 constexpr int64_t QK = 32;  // weights per block along K
-constexpr int64_t NC = 8;   // output columns per panel: one 256-bit register of int32 / float lanes
+constexpr int64_t NC = 16;  // output columns per panel: one 512-bit register of int32 / float lanes
 
 enum class Fmt { Q8_0, Q4_0, Q4_1 };
 
 template <Fmt F>
 struct Layout {
-  static constexpr int64_t scale_bytes = F == Fmt::Q4_1 ? 32 : 16;
-  static constexpr int64_t quant_bytes = F == Fmt::Q8_0 ? 256 : 128;
+  static constexpr int64_t scale_bytes = (F == Fmt::Q4_1 ? 2 : 1) * 2 * NC;  // fp16 d (and m) per column
+  static constexpr int64_t group_bytes = 4 * NC;  // a group of 4 k of the panel's columns (Q4: two groups)
+  static constexpr int64_t quant_bytes = (F == Fmt::Q8_0 ? 8 : 4) * group_bytes;
   static constexpr int64_t bytes = scale_bytes + quant_bytes;  // BPB
 };
 
 // Rows per register block: MR float accumulators + MR int accumulators + ~6 weight / constant
-// registers must fit the register file (16 ymm with AVX2; 32 with AVX-512VL's EVEX encoding).
+// registers must fit the register file (16 ymm with AVX2; 32 with AVX-512's EVEX encoding).
 #if defined(__AVX512VL__)
 constexpr int MR = 8;
 #else
 constexpr int MR = 4;
 #endif
-constexpr int64_t kGroupRows = 64;           // the accumulators of a group: [64, 8] floats, 2 KB
-constexpr int64_t kChunkBlocks = 8;          // blocks per chunk when several row blocks take turns (<= 2.2 KB)
+constexpr int64_t kGroupRows = 64;           // the accumulators of a group: [64, 16] floats, 4 KB
+constexpr int64_t kChunkBlocks = 8;          // blocks per chunk when several row blocks take turns (<= 4.4 KB)
 constexpr int64_t kMinParallelBytes = 1 << 15;  // smaller products stay on the calling thread
 constexpr int64_t kRowsPerQuantTask = 16;
 // How far ahead of the block in work each block's bytes are asked for: a thread's panels lie one
@@ -102,11 +107,12 @@ constexpr int64_t kRowsPerQuantTask = 16;
 // of 1, 2 and 4 KB).
 constexpr int64_t kPrefetchBytes = 4096;
 
-// x quantised per block of 32: q [M, K] int8, d [M, KB] scales, s [M, KB] = d * sum(q) (times
-// -8 for Q4_0, whose "min" is -8 d: then the kernel adds d * s).
+// x quantised per block of 32: q [M, K] int8, d [M, KB] scales, qsum [M, KB] = sum(q), s [M, KB]
+// = d * sum(q) (times -8 for Q4_0, whose "min" is -8 d: then the kernel adds d * s).
 struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> d;
+  std::vector<int32_t> qsum;
   std::vector<float> s;
   int64_t K = 0, KB = 0;
 };
@@ -168,6 +174,7 @@ QuantX quantize_x(const float* x, int64_t M, int64_t K) {
   xq.KB = K / QK;
   xq.q.resize(M * K);
   xq.d.resize(M * xq.KB);
+  xq.qsum.resize(M * xq.KB);
   xq.s.resize(M * xq.KB);
   auto rows = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -175,6 +182,7 @@ QuantX quantize_x(const float* x, int64_t M, int64_t K) {
         float d;
         const int32_t sum = quantize_block(x + m * K + b * QK, xq.q.data() + m * K + b * QK, &d);
         xq.d[m * xq.KB + b] = d;
+        xq.qsum[m * xq.KB + b] = sum;
         xq.s[m * xq.KB + b] = F == Fmt::Q4_0 ? -8.0f * (d * static_cast<float>(sum)) : d * static_cast<float>(sum);
       }
     }
@@ -187,26 +195,32 @@ QuantX quantize_x(const float* x, int64_t M, int64_t K) {
   return xq;
 }
 
-#if defined(SPECPLAN_QUANT_AVX2)
+#if defined(SPECPLAN_QUANT_VNNI512)
 
-inline __m256i broadcast4(const int8_t* p) {
+inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
+  return _mm512_set1_epi32(v);
 }
 
-// acc [R, 8] (+)= the products of rows m0 .. m0+R of x with the panel's blocks b0..b1.
+// acc [R, 16] (+)= the products of rows m0 .. m0+R of x with the panel's blocks b0..b1: one
+// 512-bit register holds a row's 16 columns, so each broadcast of x's 4 int8 feeds 16 columns and
+// each vpdpbusd does 64 multiplies (8-column 256-bit panels took twice the time per product at 2-32
+// rows: 9.5 against 4.7-5.2 cycles per row per 8 columns x 32 k, L2-hot on one core of an Intel
+// Xeon, where a 512-bit vpdpbusd issues as often as a 256-bit one).
 template <Fmt F, int R>
 inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict panel, int64_t b0, int64_t b1,
                         float* __restrict acc_out, bool init) {
   using L = Layout<F>;
   const int64_t K = xq.K, KB = xq.KB;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_out + r * NC);
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i ones16 = _mm256_set1_epi16(1);
-  (void)nibble;
-  (void)ones16;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_out + r * NC);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // A row's 8 vpdpbusd of a block in C independent chains (summed at the block's end; int sums
+  // are exact, so the result is the same bit for bit): one chain costs 8 x ~5 cycles of latency a
+  // block, which few rows leave nothing to hide behind; C = 2 up to 4 rows, 1 above (measured).
+  constexpr int C = R <= 4 ? 2 : 1;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = panel + b * L::bytes;
     const uint8_t* quants = blk + L::scale_bytes;
@@ -214,59 +228,107 @@ inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict 
     for (int64_t line = 0; line < L::bytes; line += 64) {  // a prefetch never faults, past the end too
       _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
     }
-    __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    // vpdpbusd accumulates in place: one chain of 8 per row costs 8 x its latency (~5 cycles) a
-    // block, which few rows leave nothing to hide behind (measured at M = 1 on an Intel Xeon:
-    // 39-55 cycles a Q4_1 block with the weights in L2). So the 8 products of a row go into C
-    // independent chains, summed at the block's end; int sums are exact, so every result is the
-    // same bit for bit. C = 4 at one or two rows, 2 above (the accumulators must stay in registers).
-    constexpr int C = R <= 2 ? 4 : 2;
-    __m256i part[C][R];
+    __m512i part[C][R];
     for (int c = 0; c < C; ++c)
-      for (int r = 0; r < R; ++r) part[c][r] = _mm256_setzero_si256();
-#endif
+      for (int r = 0; r < R; ++r) part[c][r] = _mm512_setzero_si512();
     if constexpr (F == Fmt::Q8_0) {
+      // vpdpbusd multiplies unsigned by signed bytes: q + 128 (the sign bit flipped) is unsigned,
+      // and the block's sum(q qx) = sum((q + 128) qx) - 128 sum(qx), all exact in int32.
       for (int g = 0; g < 8; ++g) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * g));
-        const __m256i aw = _mm256_abs_epi8(w);  // -128 stays 0x80, i.e. 128 unsigned
-        for (int r = 0; r < R; ++r) {
-          const __m256i sx = _mm256_sign_epi8(broadcast4(xb + r * K + 4 * g), w);  // qx with w's sign
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-          part[g % C][r] = _mm256_dpbusd_epi32(part[g % C][r], aw, sx);
-#else
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones16));
-#endif
-        }
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(quants + L::group_bytes * g), flip);
+        for (int r = 0; r < R; ++r) part[g % C][r] = _mm512_dpbusd_epi32(part[g % C][r], w, broadcast4(xb + r * K + 4 * g));
       }
     } else {
       for (int i = 0; i < 4; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * i));
-        const __m256i lo = _mm256_and_si256(v, nibble);                         // group 2i
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);  // group 2i + 1
+        const __m512i v = _mm512_loadu_si512(quants + L::group_bytes * i);
+        const __m512i lo = _mm512_and_si512(v, nibble);                         // group 2i
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);  // group 2i + 1
+        for (int r = 0; r < R; ++r) {
+          part[(2 * i) % C][r] = _mm512_dpbusd_epi32(part[(2 * i) % C][r], lo, broadcast4(xb + r * K + 8 * i));
+          part[(2 * i + 1) % C][r] = _mm512_dpbusd_epi32(part[(2 * i + 1) % C][r], hi, broadcast4(xb + r * K + 8 * i + 4));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));  // [16] column scales
+    __m512 mins = _mm512_setzero_ps();
+    if constexpr (F == Fmt::Q4_1) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 * NC)));
+    (void)mins;
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * KB + b;
+      __m512i isum = part[0][r];
+      for (int c = 1; c < C; ++c) isum = _mm512_add_epi32(isum, part[c][r]);
+      if constexpr (F == Fmt::Q8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * xq.qsum[at]));
+      const __m512 dx = _mm512_set1_ps(xq.d[at]);
+      const __m512 isf = _mm512_cvtepi32_ps(isum);
+      if constexpr (F == Fmt::Q4_0) {
+        acc[r] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(isf, dx, _mm512_set1_ps(xq.s[at])), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(isf, dx), acc[r]);
+        if constexpr (F == Fmt::Q4_1) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xq.s[at]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_out + r * NC, acc[r]);
+}
+
+#elif defined(SPECPLAN_QUANT_AVX2)
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// The same product in 256-bit registers, one half of the panel (columns 8h .. 8h+7) at a time:
+// acc [R, 16] columns 8h .. 8h+7 (+)= rows m0 .. m0+R of x times the half's blocks b0..b1.
+template <Fmt F, int R>
+inline void half_panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict panel, int64_t b0, int64_t b1,
+                             float* __restrict acc_out, bool init, int h) {
+  using L = Layout<F>;
+  const int64_t K = xq.K, KB = xq.KB;
+  constexpr int64_t H = NC / 2;  // columns of a half
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_out + r * NC + H * h);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* blk = panel + b * L::bytes;
+    const uint8_t* quants = blk + L::scale_bytes + 4 * H * h;  // the half's 32 bytes of each 64-byte group row
+    const int8_t* xb = xq.q.data() + m0 * K + b * QK;
+    if (h == 0) {
+      for (int64_t line = 0; line < L::bytes; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+      }
+    }
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    if constexpr (F == Fmt::Q8_0) {
+      for (int g = 0; g < 8; ++g) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + L::group_bytes * g));
+        const __m256i aw = _mm256_abs_epi8(w);  // -128 stays 0x80, i.e. 128 unsigned
+        for (int r = 0; r < R; ++r) {
+          const __m256i sx = _mm256_sign_epi8(broadcast4(xb + r * K + 4 * g), w);  // qx with w's sign
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones16));
+        }
+      }
+    } else {
+      // vpmaddubsw needs one unsigned operand: 4-bit q is; pairs <= 2 * 15 * 127, and eight
+      // groups summed in int16 <= 30480 < 2^15: one vpmaddwd per block.
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + L::group_bytes * i));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
         for (int r = 0; r < R; ++r) {
           const __m256i x0 = broadcast4(xb + r * K + 8 * i);
           const __m256i x1 = broadcast4(xb + r * K + 8 * i + 4);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-          part[(2 * i) % C][r] = _mm256_dpbusd_epi32(part[(2 * i) % C][r], lo, x0);
-          part[(2 * i + 1) % C][r] = _mm256_dpbusd_epi32(part[(2 * i + 1) % C][r], hi, x1);
-#else
           isum[r] = _mm256_add_epi16(isum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)));
-#endif
         }
       }
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
       for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(isum[r], ones16);  // int16 pairs -> int32 per column
-#endif
     }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) isum[r] = _mm256_add_epi32(isum[r], part[c][r]);
-#endif
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));  // [8] column scales
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * H * h)));
     __m256 mins = _mm256_setzero_ps();
-    if constexpr (F == Fmt::Q4_1) mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    if constexpr (F == Fmt::Q4_1) mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * NC + 2 * H * h)));
     (void)mins;
     for (int r = 0; r < R; ++r) {
       const int64_t at = (m0 + r) * KB + b;
@@ -280,7 +342,14 @@ inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict 
       }
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc_out + r * NC, acc[r]);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc_out + r * NC + H * h, acc[r]);
+}
+
+template <Fmt F, int R>
+inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* panel, int64_t b0, int64_t b1, float* acc_out,
+                        bool init) {
+  half_panel_block<F, R>(xq, m0, panel, b0, b1, acc_out, init, 0);
+  half_panel_block<F, R>(xq, m0, panel, b0, b1, acc_out, init, 1);  // its blocks come back from L1
 }
 
 #else  // no AVX2: the same arithmetic one column at a time (same integers; float order per row fixed)
@@ -302,9 +371,9 @@ inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict 
           for (int j = 0; j < 4; ++j) {
             int32_t w;
             if constexpr (F == Fmt::Q8_0) {
-              w = static_cast<int8_t>(quants[32 * g + 4 * c + j]);
+              w = static_cast<int8_t>(quants[L::group_bytes * g + 4 * c + j]);
             } else {
-              const uint8_t byte = quants[32 * (g / 2) + 4 * c + j];
+              const uint8_t byte = quants[L::group_bytes * (g / 2) + 4 * c + j];
               w = g % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
             }
             isum += w * xr[4 * g + j];
@@ -312,7 +381,7 @@ inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict 
         }
         uint16_t dbits, mbits = 0;
         std::memcpy(&dbits, blk + 2 * c, 2);
-        if constexpr (F == Fmt::Q4_1) std::memcpy(&mbits, blk + 16 + 2 * c, 2);
+        if constexpr (F == Fmt::Q4_1) std::memcpy(&mbits, blk + 2 * NC + 2 * c, 2);
         const int64_t at = (m0 + r) * KB + b;
         const float d = half_to_float(dbits), isf = static_cast<float>(isum);
         if constexpr (F == Fmt::Q4_0) {
@@ -347,7 +416,7 @@ void quant_product(const float* x, int64_t M, int64_t K, const uint8_t* packed, 
   const QuantX xq = quantize_x<F>(x, M, K);
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
   auto panels = [&](int64_t p0, int64_t p1) {
-    alignas(64) float acc[kGroupRows * NC];  // [group rows, 8]
+    alignas(64) float acc[kGroupRows * NC];  // [group rows, 16]
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = packed + p * KB * L::bytes;
       const int64_t n0 = p * NC, ncols = std::min<int64_t>(NC, N - n0);
@@ -418,7 +487,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N
   } else if (BPB == Layout<Fmt::Q4_1>::bytes) {
     quant_product<Fmt::Q4_1>(xp, M, K, pp, P, N, b, yp);
   } else {
-    TORCH_CHECK(false, "packed block of ", BPB, " bytes is none of Q8_0 (272), Q4_0 (144), Q4_1 (160)");
+    TORCH_CHECK(false, "packed block of ", BPB, " bytes is none of Q8_0 (", Layout<Fmt::Q8_0>::bytes, "), Q4_0 (",
+                Layout<Fmt::Q4_0>::bytes, "), Q4_1 (", Layout<Fmt::Q4_1>::bytes, ")");
   }
   return y;
 }
