@@ -205,9 +205,10 @@ inline __m512i broadcast4(const int8_t* p) {
 
 // acc [R, 16] (+)= the products of rows m0 .. m0+R of x with the panel's blocks b0..b1: one
 // 512-bit register holds a row's 16 columns, so each broadcast of x's 4 int8 feeds 16 columns and
-// each vpdpbusd does 64 multiplies (8-column 256-bit panels took twice the time per product at 2-32
-// rows: 9.5 against 4.7-5.2 cycles per row per 8 columns x 32 k, L2-hot on one core of an Intel
-// Xeon, where a 512-bit vpdpbusd issues as often as a 256-bit one).
+// each vpdpbusd does 64 multiplies. 8-column panels in 256-bit registers took 1.6-2x the time
+// (TSC cycles per row per 8 columns x 32 k, the inner loop alone, L2-hot on one core of an Intel
+// Xeon, where a 512-bit vpdpbusd issues as often as a 256-bit one: 19.4 against 11.4 at one row,
+// 9.5 against 5.2 at 8, 9.5 against 4.7 at 32).
 template <Fmt F, int R>
 inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict panel, int64_t b0, int64_t b1,
                         float* __restrict acc_out, bool init) {
