@@ -592,6 +592,37 @@ def test_planner_on_when_memory_bound_off_when_compute_bound():
     assert busy.zero_share == 1.0
 
 
+def test_a_step_with_no_possible_draft_is_decided_without_the_policy():
+    """When no request can be given a draft (every cap 0: the lookup found nothing), every policy's
+    answer is 0, so the planner neither asks the policy nor prices drafts; it still counts the
+    decisions and predicts the plain step. A step with a draft available asks the policy again."""
+    calls = []
+
+    @dataclass(frozen=True)
+    class Counting:
+        name: str = "counting"
+        requires: frozenset = frozenset()
+
+        def choose(self, state):
+            calls.append(len(state.requests))
+            return [r.max_k for r in state.requests]
+
+    planner = Planner(Counting(), FLAT, proposer="ngram")
+    none = StepView(tuple(RequestView(i, f"r{i}", 500, 10, 0, True, available_drafts=0, match_length=0)
+                          for i in range(3)), 0, 0, 1500, "ngram")
+    assert planner.decide(none) == [0, 0, 0] and calls == []
+    assert planner.num_decisions == 3 and planner.zero_share == 1.0
+    assert planner.predicted_step_s == pytest.approx(FLAT.predict(StepShape(3, 3, 1500)))
+    some = StepView((none.requests[0], RequestView(1, "r1", 500, 10, 4, True, available_drafts=4, match_length=2)),
+                    0, 0, 1000, "ngram")
+    assert planner.decide(some) == [0, 4] and calls == [2]
+    # The goodput policy answers the same with and without the shortcut: all zeros.
+    goodput = Planner(make_policy("goodput"), FLAT, proposer="ngram")
+    assert goodput.decide(none) == [0, 0, 0]
+    state = dataclasses.replace(goodput.last_state, pricing=goodput._pricing(3))
+    assert goodput.policy.choose(state) == [0, 0, 0]
+
+
 def outline_of(v: StepView) -> StepOutline:
     n = len(v.requests)
     return StepOutline(n, sum(r.num_tokens for r in v.requests), v.num_prefill_tokens, v.num_prefill_seqs,
