@@ -512,7 +512,10 @@ def evaluate_cmd(
     check.output_dir(out, "--out")
     from specplan.adaptive import belief_store, load_or_make_profile
     from specplan.engine import load_model
+    from datetime import datetime, timezone
+
     from specplan.bench.evaluate import evaluate, render_evaluation
+    from specplan.profiler.machine import describe, machine_info
 
     loaded = load_model(model, quantize=quantize)
     prof = load_or_make_profile(loaded, profile, proposers=proposer_names)
@@ -522,16 +525,22 @@ def evaluate_cmd(
                     err=True, fg=typer.colors.BRIGHT_BLACK)
     command = "specplan " + shlex.join(sys.argv[1:])
     frames: list[pd.DataFrame] = []
+    started = datetime.now(timezone.utc)
+    machine = describe(machine_info())
+
+    def measured() -> str:
+        return f"Measured {started:%Y-%m-%d %H:%M}-{datetime.now(timezone.utc):%H:%M} UTC. {machine}"
 
     def write_partial(rows: pd.DataFrame) -> None:  # a stopped run keeps the cells it finished
-        render_evaluation(pd.concat([*frames, rows], ignore_index=True), out, command, complete=False)
+        render_evaluation(pd.concat([*frames, rows], ignore_index=True), out, command, complete=False,
+                          measured=measured())
 
     for p in proposer_names:
         frames.append(evaluate(loaded, prof, proposer=p, workloads=workload_names, batch_sizes=sizes,
                                static_ks=ks, policies=policy_names, max_tokens=max_tokens, repeats=repeats,
                                min_requests=min_requests, null_control=null_control, clairvoyant=clairvoyant,
                                beliefs=store, on_cell=write_partial))
-    path = render_evaluation(pd.concat(frames, ignore_index=True), out, command)
+    path = render_evaluation(pd.concat(frames, ignore_index=True), out, command, measured=measured())
     typer.echo(f"wrote {path}")
 
 

@@ -53,6 +53,9 @@ def test_report_renders(tmp_path):
     df["decider_ms_per_step"], df["decider_share"] = 0.75, 0.012
     text = render_evaluation(df, tmp_path, "test").read_text()
     assert "planner ms/step" in text and "| 0.75 | 1.2% |" in text
+    assert "Measured" not in text
+    when = "Measured 2026-11-28 10:28-10:59 UTC. Machine: cpu Some CPU, cores 2."
+    assert when in render_evaluation(df, tmp_path, "test", measured=when).read_text()
 
 
 def test_cells_time_the_decider():

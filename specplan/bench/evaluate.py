@@ -360,9 +360,11 @@ def _span(interval: list[float]) -> str:
     return f"{interval[0]:.3f}-{interval[1]:.3f}"
 
 
-def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str, complete: bool = True) -> Path:
+def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str, complete: bool = True,
+                      measured: str | None = None) -> Path:
     """The Markdown report, its plot, the parquet and the summary JSON. ``complete=False``: written
-    while the grid still runs; the report says so at the top."""
+    while the grid still runs; the report says so at the top. ``measured``: when and on what the
+    grid ran (a sentence, e.g. from ``measured_on``), printed under the command."""
     from specplan.bench.plots import ratio_panels
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -377,6 +379,7 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str, complete: b
              "decider; goodput = output tokens / wall time (prefill included). `static:0` is SD off; the oracle "
              "is the best static k per cell in hindsight. The deciders of a cell run back to back within each "
              "repeat, in a rotated order.", "",
+             *([measured, ""] if measured else []),
              "Two readings of each check: *medians* compares the median goodput of the policy with the best of the "
              "static k's medians. *Paired* takes ratios within one repeat (the machine's slow spells hit the "
              "deciders of that repeat alike), picks the best static k on the other repeats (so a static k's lucky "
