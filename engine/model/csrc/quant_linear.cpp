@@ -119,6 +119,32 @@ struct QuantX {
 
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
+// The float half of a block's product, one definition for every path (scalar, 256- and 512-bit
+// lanes), so each output goes through the same operations in the same order whatever the build:
+//   Q4_0        acc += d * (isf * dx + s)
+//   Q8_0, Q4_1  acc += d * (isf * dx)   (Q4_1: then acc += m * s)
+// isf: the block's exact integer sum as float; dx, s: the row's block scale and scaled sum (QuantX).
+inline float vfmadd(float a, float b, float c) { return std::fma(a, b, c); }
+inline float vmul(float a, float b) { return a * b; }
+#if defined(SPECPLAN_QUANT_AVX2)
+inline __m256 vfmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 vmul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+#endif
+#if defined(SPECPLAN_QUANT_VNNI512)
+inline __m512 vfmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 vmul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+#endif
+
+template <Fmt F, class V>
+inline V add_block(V acc, V d, V m, V isf, V dx, V s) {
+  if constexpr (F == Fmt::Q4_0) return vfmadd(d, vfmadd(isf, dx, s), acc);
+  acc = vfmadd(d, vmul(isf, dx), acc);
+  if constexpr (F == Fmt::Q4_1) acc = vfmadd(m, s, acc);
+  (void)m;
+  (void)s;
+  return acc;
+}
+
 // One block of 32 floats -> 32 int8 (q = round_half_even(x / d), d = max|x| / 127); returns sum(q).
 inline int32_t quantize_block(const float* x, int8_t* q, float* d_out) {
 #if defined(SPECPLAN_QUANT_AVX2)
@@ -253,20 +279,13 @@ inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict 
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));  // [16] column scales
     __m512 mins = _mm512_setzero_ps();
     if constexpr (F == Fmt::Q4_1) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 * NC)));
-    (void)mins;
     for (int r = 0; r < R; ++r) {
       const int64_t at = (m0 + r) * KB + b;
       __m512i isum = part[0][r];
       for (int c = 1; c < C; ++c) isum = _mm512_add_epi32(isum, part[c][r]);
       if constexpr (F == Fmt::Q8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * xq.qsum[at]));
-      const __m512 dx = _mm512_set1_ps(xq.d[at]);
-      const __m512 isf = _mm512_cvtepi32_ps(isum);
-      if constexpr (F == Fmt::Q4_0) {
-        acc[r] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(isf, dx, _mm512_set1_ps(xq.s[at])), acc[r]);
-      } else {
-        acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(isf, dx), acc[r]);
-        if constexpr (F == Fmt::Q4_1) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xq.s[at]), acc[r]);
-      }
+      acc[r] = add_block<F>(acc[r], d, mins, _mm512_cvtepi32_ps(isum), _mm512_set1_ps(xq.d[at]),
+                            _mm512_set1_ps(xq.s[at]));
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_out + r * NC, acc[r]);
@@ -330,17 +349,10 @@ inline void half_panel_block(const QuantX& xq, int64_t m0, const uint8_t* __rest
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * H * h)));
     __m256 mins = _mm256_setzero_ps();
     if constexpr (F == Fmt::Q4_1) mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * NC + 2 * H * h)));
-    (void)mins;
     for (int r = 0; r < R; ++r) {
       const int64_t at = (m0 + r) * KB + b;
-      const __m256 dx = _mm256_set1_ps(xq.d[at]);
-      const __m256 isf = _mm256_cvtepi32_ps(isum[r]);
-      if constexpr (F == Fmt::Q4_0) {
-        acc[r] = _mm256_fmadd_ps(d, _mm256_fmadd_ps(isf, dx, _mm256_set1_ps(xq.s[at])), acc[r]);
-      } else {
-        acc[r] = _mm256_fmadd_ps(d, _mm256_mul_ps(isf, dx), acc[r]);
-        if constexpr (F == Fmt::Q4_1) acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(xq.s[at]), acc[r]);
-      }
+      acc[r] = add_block<F>(acc[r], d, mins, _mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(xq.d[at]),
+                            _mm256_set1_ps(xq.s[at]));
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc_out + r * NC + H * h, acc[r]);
@@ -384,13 +396,8 @@ inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict 
         std::memcpy(&dbits, blk + 2 * c, 2);
         if constexpr (F == Fmt::Q4_1) std::memcpy(&mbits, blk + 2 * NC + 2 * c, 2);
         const int64_t at = (m0 + r) * KB + b;
-        const float d = half_to_float(dbits), isf = static_cast<float>(isum);
-        if constexpr (F == Fmt::Q4_0) {
-          acc = std::fma(d, std::fma(isf, xq.d[at], xq.s[at]), acc);
-        } else {
-          acc = std::fma(d, isf * xq.d[at], acc);
-          if constexpr (F == Fmt::Q4_1) acc = std::fma(half_to_float(mbits), xq.s[at], acc);
-        }
+        acc = add_block<F>(acc, half_to_float(dbits), half_to_float(mbits), static_cast<float>(isum), xq.d[at],
+                           xq.s[at]);
       }
       acc_out[r * NC + c] = acc;
     }
