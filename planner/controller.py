@@ -295,25 +295,23 @@ class Planner:
         num_decodes = len(reqs)
         base = StepShape(num_decodes + view.num_prefill_seqs, num_decodes + view.num_prefill_tokens,
                          view.context_tokens)
-        if not any(r.max_k for r in reqs):
-            # No request can be given a draft (the lookup found none, or every cap is 0), so every
-            # policy's answer is 0 after the clamp below: neither the learned price nor the policy
-            # is consulted, and the state prices no draft. At B = 1 on the Q4_1 engine, where a
-            # step takes ~9 ms and most chat steps find no n-gram match, they cost ~0.5 ms a step.
-            state = PolicyState(requests=tuple(reqs), base=base, max_k=planner_cap, proposer=proposer,
-                                workload=self.workload,
-                                pricing=StepPricing(latency=self.latency, draft_cost=self.draft_cost,
-                                                    overhead_s=self.overhead_s),
-                                sla_itl_s=self.sla_itl_s, draft_budget=view.draft_budget, roofline=self.roofline)
-            ks = [0] * num_decodes
-        else:
-            state = PolicyState(requests=tuple(reqs), base=base, max_k=planner_cap, proposer=proposer,
-                                workload=self.workload, pricing=self._pricing(num_decodes), sla_itl_s=self.sla_itl_s,
-                                draft_budget=view.draft_budget, roofline=self.roofline)
+        # When no request can be given a draft (the lookup found none, or every cap is 0), every
+        # policy's answer is 0 after the clamp below: neither the learned price nor the policy is
+        # consulted, and the state prices no draft. At B = 1 on the Q4_1 engine, where a step takes
+        # ~9 ms and most chat steps find no n-gram match, they cost ~0.5 ms a step.
+        may_draft = any(r.max_k for r in reqs)
+        pricing = (self._pricing(num_decodes) if may_draft else
+                   StepPricing(latency=self.latency, draft_cost=self.draft_cost, overhead_s=self.overhead_s))
+        state = PolicyState(requests=tuple(reqs), base=base, max_k=planner_cap, proposer=proposer,
+                            workload=self.workload, pricing=pricing, sla_itl_s=self.sla_itl_s,
+                            draft_budget=view.draft_budget, roofline=self.roofline)
+        if may_draft:
             ks = self.policy.choose(state)
             if len(ks) != num_decodes:
                 raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")
             ks = [max(0, min(int(k), r.max_k)) for k, r in zip(ks, reqs)]
+        else:
+            ks = [0] * num_decodes
         self.draft_stop = None
         if (self.confidence is not None and getattr(self.policy, "stops_on_confidence", False)
                 and proposer not in LOOKUP_PROPOSERS and any(k and not r.looked_up for k, r in zip(ks, reqs))):

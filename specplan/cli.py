@@ -510,11 +510,11 @@ def evaluate_cmd(
     check.profile_file(profile)
     _check_workload_data(*workload_names)
     check.output_dir(out, "--out")
-    from specplan.adaptive import belief_store, load_or_make_profile
-    from specplan.engine import load_model
     from datetime import datetime, timezone
 
+    from specplan.adaptive import belief_store, load_or_make_profile
     from specplan.bench.evaluate import evaluate, render_evaluation
+    from specplan.engine import load_model
     from specplan.profiler.machine import describe, machine_info
 
     loaded = load_model(model, quantize=quantize)

@@ -364,7 +364,8 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str, complete: b
                       measured: str | None = None) -> Path:
     """The Markdown report, its plot, the parquet and the summary JSON. ``complete=False``: written
     while the grid still runs; the report says so at the top. ``measured``: when and on what the
-    grid ran (a sentence, e.g. from ``measured_on``), printed under the command."""
+    grid ran (a sentence: `specplan evaluate` passes its start-end UTC and the machine line),
+    printed under the command."""
     from specplan.bench.plots import ratio_panels
 
     out_dir.mkdir(parents=True, exist_ok=True)
