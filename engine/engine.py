@@ -23,7 +23,7 @@ from .model.loader import LoadedModel, load_model
 from .metrics import SpecStats
 from .model.transformer import Model
 from .model_runner import ModelRunner, ScheduledSeq, allocate_kv_cache, kv_bytes_per_block
-from .proposers.base import Proposer, ReadsTargetFeatures
+from .proposers.base import Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.chain import ChainProposer
 from .proposers.eagle import EagleProposer
@@ -261,8 +261,8 @@ class LLMEngine:
         """One forward pass over all the work: logits [sum(num_logits), V] fp32, and the number of
         query tokens it fed."""
         batch = self.runner.build_batch(work, self.block_manager)
-        reader = self.speculator.proposer if self.speculator is not None else None
-        if isinstance(reader, ReadsTargetFeatures):  # an EAGLE-3 head drafts from this pass's features
+        reader = self.speculator.feature_reader if self.speculator is not None else None
+        if reader is not None:  # an EAGLE-3 head drafts from this pass's features
             logits, captured = self.runner.execute_capturing(batch, reader.target_layers)
             reader.observe_target(work, captured)
             return logits, batch.num_tokens

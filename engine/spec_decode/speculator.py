@@ -12,7 +12,7 @@ from ..block_manager import BlockManager
 from ..decider import RequestView, SpecDecider, StepOutline, StepView, draft_stop, may_speculate
 from ..model_runner import ScheduledSeq
 from ..drafts import DraftTokens
-from ..proposers.base import LooksUpFirst, Proposer, StopsEarly
+from ..proposers.base import LooksUpFirst, Proposer, ReadsTargetFeatures, StopsEarly
 
 
 @dataclass
@@ -31,6 +31,19 @@ class Speculator:
         self.decider = decider
         self.max_k = max_k
         self.block_manager = block_manager
+
+    @property
+    def proposer(self) -> Proposer:
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        # What the proposer can do, read once: an isinstance against a runtime-checkable protocol
+        # walks the protocol's attributes, ~30 us each, and the step asked three of them.
+        self._proposer = proposer
+        self._looks_up_first = isinstance(proposer, LooksUpFirst)
+        self._stops_early = isinstance(proposer, StopsEarly)
+        self.feature_reader = proposer if isinstance(proposer, ReadsTargetFeatures) else None
 
     def plan(self, ready: list[ScheduledSeq], view_extra: dict, budget: int, max_model_len: int) -> Proposal:
         """Decide k per decode-ready sequence, reserve lookahead slots, propose drafts.
@@ -57,7 +70,7 @@ class Speculator:
         # Drafts known to exist before k is chosen (None: unknown until then).
         available: list[int | None] = list(caps) if up_front else [None] * len(seqs)
         matched = ahead
-        if ahead is None and isinstance(self.proposer, LooksUpFirst) and any(caps):
+        if ahead is None and self._looks_up_first and any(caps):
             # A chain: the requests its lookup serves are capped at what the lookup found; the
             # decider sees every request's match length, so it can price the two sources apart.
             matched = self.proposer.lookup_ahead(seqs, caps)
@@ -83,7 +96,7 @@ class Speculator:
                 want -= 1
             budget -= want
             k.append(want)
-        stop = draft_stop(self.decider) if isinstance(self.proposer, StopsEarly) else None
+        stop = draft_stop(self.decider) if self._stops_early else None
         if not any(k):
             drafts = None
         elif ahead is not None:
