@@ -47,7 +47,10 @@ def solve3(a: list[list[float]], b: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting for a 3x3 system (well-conditioned by the ridge)."""
     m = [row[:] + [v] for row, v in zip(a, b)]
     for c in range(3):
-        p = max(range(c, 3), key=lambda r: abs(m[r][c]))
+        p = c  # the first row of largest |m[r][c]| (a loop: the planner solves two of these a step)
+        for r in range(c + 1, 3):
+            if abs(m[r][c]) > abs(m[p][c]):
+                p = r
         m[c], m[p] = m[p], m[c]
         for r in range(c + 1, 3):
             f = m[r][c] / m[c][c]
