@@ -83,6 +83,11 @@ class AcceptanceEstimate:
     def max_k(self) -> int:
         return len(self.p_len_ge)
 
+    def with_first(self, alpha_first: float) -> "AcceptanceEstimate":
+        """The same estimate with another first-draft acceptance (clipped to [0, 1]); every gain
+        moves with it."""
+        return AcceptanceEstimate._checked(self.alpha, self.p_len_ge, max(0.0, min(1.0, alpha_first)))
+
     def marginal_gains(self, k: int) -> tuple[float, ...]:
         """The gains of drafts 1..k."""
         return self.gains[:max(0, k)]

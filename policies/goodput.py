@@ -5,9 +5,11 @@ ITL SLA and the engine's draft budget, maximising expected emitted tokens per ch
 step (planner/goodput.py ``StepCostModel``). ``min_relative_gain`` is the margin by which
 speculation must beat plain decoding before it is switched on: the latency model and the
 acceptance estimates are not exact, and being slower than ``off`` is the failure users notice.
-When the choice is off, a cheap exploratory allocation may run instead (``explore_budget``): see
-``DraftSlope`` in planner/drift.py. While the acceptance beliefs are still the proposer's prior,
-requests start speculating a few at a time (``slow_start_evidence``).
+When the choice is off, a cheap exploratory allocation may run instead (``explore_budget``): one
+that would pay if drafts cost what an optimistic slope says (``DraftSlope`` in planner/drift.py),
+or if a first draft whose belief rests on little evidence were accepted as often as that belief
+plausibly allows (``explore_optimism``). While the acceptance beliefs are still the proposer's
+prior, requests start speculating a few at a time (``slow_start_evidence``).
 
 How ``allocate`` chooses: the j-th draft of request i adds ``g_ij = P(len_i >= j) * alpha_first_i *
 alpha_i^(j-1)`` expected tokens, and the step's cost depends only on how many drafts it carries in
@@ -27,6 +29,7 @@ any step-time model, monotone or not, and is what keeps ``decide`` cheap at larg
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
@@ -35,6 +38,12 @@ import numpy as np
 from ..planner.acceptance import AcceptanceEstimate
 from ..planner.goodput import StepCostModel, step_goodput
 from ..planner.policy import PolicyState
+
+
+# Pseudo-outcomes behind a belief that nothing checked yet (the planner's cold prior strength,
+# planner/acceptance.py ``AcceptanceConfig.cold_prior_strength``): how wide ``explore_optimism``
+# takes a fresh bucket's belief to be.
+_PRIOR_OUTCOMES = 2.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,43 @@ def _step_seconds(cost: StepCostModel, max_drafts: int, depth: int) -> np.ndarra
     draft = cost.draft_cost
     extra = (draft.per_pass_s * depth + draft.per_token_s * n) * (n > 0)  # [n]
     return cost.target_curve(max_drafts)[:max_drafts + 1] + (cost.overhead_s - cost.shared_s) + extra
+
+
+# Up to this many candidate drafts (at one depth cap) ``allocate`` searches in plain Python
+# (``_best_few``): on a small problem numpy's per-call cost is most of the work (at B = 1 a
+# decision took ~0.2 ms of an 8 ms step on the Q4_1 engine, measured: reports/README.md).
+_FEW_DRAFTS = 64
+
+
+def _best_few(rows: Sequence[tuple[float, ...]], lengths: Sequence[int], depth: int, limit: int,
+              cost: StepCostModel, sla_s: float | None, floor: float) -> tuple[tuple[int, ...], float]:
+    """``allocate``'s search at a single depth cap over at most ``_FEW_DRAFTS`` candidates, in
+    plain Python: the same order (one stable sort, ties to the earlier request), the same float
+    operations in the same order, so the same answer (tests/test_planner.py checks both on random
+    problems). Returns (ks, goodput), or ((), floor) when no total beats ``floor``."""
+    owners = [i for i, n in enumerate(lengths) for _ in range(n)]  # [drafts]: whose gain
+    gains = [g for row, n in zip(rows, lengths) for g in row[:n]]  # [drafts], request-major
+    order = sorted(range(len(gains)), key=gains.__getitem__, reverse=True)[:limit]  # stable
+    if not order:
+        return (), floor
+    curve = cost.target_curve(len(order)).tolist()  # exact: float64 to float
+    draft = cost.draft_cost
+    fixed = cost.overhead_s - cost.shared_s
+    per_pass = draft.per_pass_s * depth
+    num = len(lengths)
+    best_n, best_g, cum = 0, -math.inf, 0.0
+    for n, x in enumerate(order, start=1):
+        cum += gains[x]
+        t = curve[n] + fixed + (per_pass + draft.per_token_s * n)  # as _step_seconds
+        g = (num + cum) / t if sla_s is None or t <= sla_s else -math.inf
+        if g > best_g:  # the first best, as argmax
+            best_n, best_g = n, g
+    if not best_g > floor:
+        return (), floor
+    ks = [0] * num
+    for x in order[:best_n]:
+        ks[owners[x]] += 1
+    return tuple(ks), best_g
 
 
 def any_draft_pays(num: int, cap: int, cost: StepCostModel, *, sla_itl_s: float | None = None,
@@ -136,12 +182,6 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     deepest = max(lengths)
     if deepest == 0:
         return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
-    if all(len(g) == width for g in rows):  # the planner's estimates: one length, max_k
-        table = np.array(rows, dtype=float)[:, :deepest]  # [num, deepest]
-        table[np.arange(deepest) >= np.array(lengths)[:, None]] = -1.0
-    else:
-        pad = (-1.0,) * deepest
-        table = np.array([g[:n] + pad[n:] for g, n in zip(rows, lengths)], dtype=float)  # [num, deepest]
     draft = cost.draft_cost
     # A draft model pays one pass per position up to the deepest k, a cost that does not split
     # across requests; so try each depth cap D (drafts at positions <= D only) and keep the best.
@@ -152,6 +192,18 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     looked_up = drafted is not None and any(n and not m for n, m in zip(lengths, drafted))
     depth_caps = (range(0 if looked_up else 1, model_deepest + 1) if draft.per_pass_s > 0.0 and model_deepest
                   else (model_deepest,))
+    limit = sum(lengths) if max_total_drafts is None else max(0, min(sum(lengths), max_total_drafts))
+    if len(depth_caps) == 1 and limit <= _FEW_DRAFTS:
+        ks, goodput = _best_few(rows, lengths, depth_caps[0], limit, cost, sla_s, floor)
+        if not ks:
+            return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
+        return Allocation(ks, goodput, cost.seconds(ks), off_goodput)
+    if all(len(g) == width for g in rows):  # the planner's estimates: one length, max_k
+        table = np.array(rows, dtype=float)[:, :deepest]  # [num, deepest]
+        table[np.arange(deepest) >= np.array(lengths)[:, None]] = -1.0
+    else:
+        pad = (-1.0,) * deepest
+        table = np.array([g[:n] + pad[n:] for g, n in zip(rows, lengths)], dtype=float)  # [num, deepest]
     # All gains in one flat array, request i's at [i * deepest, i * deepest + caps[i]). One stable
     # sort (ties go to the earlier request) serves every depth cap: a cap keeps a subsequence of
     # the same order.
@@ -160,7 +212,6 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     # position), and n = 2 drafts give k = (1, 1).
     flat = table.ravel()  # [num * deepest]
     full = np.argsort(-flat, kind="stable")[:sum(lengths)]  # [drafts], best gain first
-    limit = len(full) if max_total_drafts is None else max(0, max_total_drafts)
     passless = ~np.array(drafted or (True,) * num)[full // deepest]  # [drafts]: lookup drafts
     best_n, best_g, chosen = 0, floor, full
     for depth in depth_caps:
@@ -189,6 +240,14 @@ class GoodputPolicy:
     # ridge, falls linearly to nothing at the ridge, and is nothing past it (``explore_share``).
     # Without a roofline (no profile) the budget is whole.
     explore_full_below: float = 0.5
+    # A belief that was never checked on this traffic, or only a few times, may be far off: a
+    # bucket whose first drafts were rejected twice reads 0.1 and is never drafted again, so it
+    # never learns that it is accepted 0.3 of the time (measured: reports/README.md). So, where
+    # exploring is affordable, a probe also values each request's first draft this many standard
+    # deviations above its mean, the deviation of a Beta belief resting on
+    # ``_PRIOR_OUTCOMES`` + the pool's evidence (request-steps observed in that match bucket).
+    # It fades as the bucket is tried: after ~30 tries the bonus of a 0.05 bucket is ~0.04.
+    explore_optimism: float = 1.0
     # Requests without a verified draft of their own speculate a few at a time while their pool's
     # belief rests on fewer observed request-steps than this (``_slow_start``).
     slow_start_evidence: float = 32.0
@@ -206,6 +265,8 @@ class GoodputPolicy:
             raise ValueError(f"explore_full_below must be in [0, 1), got {self.explore_full_below}")
         if self.slow_start_evidence < 0:
             raise ValueError(f"slow_start_evidence must be >= 0, got {self.slow_start_evidence}")
+        if self.explore_optimism < 0:
+            raise ValueError(f"explore_optimism must be >= 0, got {self.explore_optimism}")
 
     @property
     def name(self) -> str:
@@ -224,9 +285,7 @@ class GoodputPolicy:
             if not state.pricing.draft_baseline and state.decode_only:
                 return self._baseline(state, cost, chosen)
             return self._slow_start(state, cost, chosen)
-        if not (self.explore_budget and state.pricing.explore_slope < state.pricing.draft_slope):
-            return chosen
-        budget = self.explore_budget * self.explore_share(state)
+        budget = self.explore_budget * self.explore_share(state) if self.explore_budget else 0.0
         return (self._probe(state, cost, chosen, budget) if budget > 0 else None) or chosen
 
     def may_pay(self, state: PolicyState) -> bool:
@@ -290,16 +349,49 @@ class GoodputPolicy:
         estimates = [r.acceptance for r in state.requests]
         return Allocation(tuple(ks), step_goodput(estimates, ks, cost), cost.seconds(ks), chosen.off_goodput)
 
-    def _probe(self, state: PolicyState, cost: StepCostModel, off: Allocation, budget: float) -> Allocation | None:
-        """Off at the learned slope; would drafts pay if they cost what the optimistic slope says?
-        Then the largest cut of that optimistic allocation predicted to lose at most ``budget`` at
-        the learned slope: every request's k capped at a depth (deepest first), then at depth 1
-        only the r requests with the best first draft (r found by bisection). The measured step
-        then tells the planner what drafts really cost here."""
-        optimistic = self._allocate(state, state.cost_model(state.pricing.explore_slope)).ks
-        if not any(optimistic):
+    def optimistic_estimates(self, state: PolicyState) -> list[AcceptanceEstimate] | None:
+        """Each request's estimate with its first draft valued ``explore_optimism`` standard
+        deviations above its mean, the deviation of a Beta belief of ``_PRIOR_OUTCOMES`` + the
+        request's pool evidence outcomes; None when no estimate moves (every pool is warm, or no
+        request has a draft). Worked example: a first draft at 0.1 after 2 request-steps of
+        evidence becomes 0.1 + sqrt(0.1 * 0.9 / 4) = 0.25; after 30, 0.1 + 0.05 = 0.15."""
+        if not self.explore_optimism:
             return None
+        out, moved = [], False
+        for r in state.requests:
+            e = r.acceptance
+            first = e.alpha_first
+            if e.gains and e.gains[0] > 0.0 and first < 1.0 and r.pool_evidence < float("inf"):
+                bonus = self.explore_optimism * math.sqrt(first * (1.0 - first) / (_PRIOR_OUTCOMES + r.pool_evidence))
+                if bonus > 1e-3:
+                    e, moved = e.with_first(first + bonus), True
+            out.append(e)
+        return out if moved else None
+
+    def _probe(self, state: PolicyState, cost: StepCostModel, off: Allocation, budget: float) -> Allocation | None:
+        """Off at the learned price and beliefs; would drafts pay if they cost what the optimistic
+        slope says, or were accepted as often as the optimistic first-draft beliefs say
+        (``optimistic_estimates``)? Then the largest cut of that optimistic allocation predicted to
+        lose at most ``budget`` at the learned slope and beliefs: every request's k capped at a
+        depth (deepest first), then at depth 1 only the r requests with the best first draft (r
+        found by bisection). The measured step then tells the planner what drafts really cost
+        here, and the outcome what they are worth."""
         estimates = [r.acceptance for r in state.requests]
+        # One optimism at a time (both at once would probe where only a lucky draft at half its
+        # price pays): the slope's with the beliefs as they are, else the beliefs' at the learned price.
+        candidates = []
+        if state.pricing.explore_slope < state.pricing.draft_slope:
+            candidates.append((estimates, state.cost_model(state.pricing.explore_slope)))
+        hopeful = self.optimistic_estimates(state)
+        if hopeful is not None:
+            candidates.append((hopeful, cost))
+        caps = [r.max_k for r in state.requests]
+        optimistic = next((ks for ks in (allocate(e, caps, c, sla_itl_s=state.sla_itl_s,
+                                                  min_relative_gain=self.min_relative_gain,
+                                                  max_total_drafts=state.draft_budget).ks
+                                         for e, c in candidates) if any(ks)), None)
+        if optimistic is None:
+            return None
         floor = (1 - budget) * off.goodput
 
         def judged(ks: tuple[int, ...]) -> Allocation | None:

@@ -118,6 +118,34 @@ def test_step_goodput_and_draft_cost():
 
 # ---------------------------------------------------------------------------- allocation
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_few_drafts_search_matches_the_vectorised_one(seed, monkeypatch):
+    """``allocate`` searches small single-depth problems in plain Python (``_best_few``) and the
+    rest with numpy; on random problems (ties included: every third one repeats one estimate)
+    both give the same allocation, to the last bit of its goodput."""
+    import specplan.policies.goodput as goodput_module
+
+    rng = random.Random(seed)
+    problems = []
+    for i in range(60):
+        num = rng.randint(1, 6)
+        shared = est(rng.random(), p_len_ge=tuple(sorted((rng.random() for _ in range(8)), reverse=True)))
+        estimates = [shared if i % 3 == 0 else AcceptanceEstimate(rng.random(), tuple(sorted(
+            (rng.choice((0.0, 1.0, rng.random())) for _ in range(8)), reverse=True)), rng.random()) for _ in range(num)]
+        caps = [rng.randint(0, 8) for _ in range(num)]
+        latency = RidgeLatency(a=0.01, b=rng.choice((0.0, 0.0004, 0.002)), c=1e-7, ridge_tokens=rng.randint(1, 12))
+        cost = cost_for(latency, num, prefill_tokens=rng.choice((0, 0, 64)),
+                        draft=DraftCost(per_token_s=rng.choice((0.0, 1e-4))), overhead=rng.choice((0.0, 5e-4)))
+        options = dict(sla_itl_s=rng.choice((None, None, 0.0125)), min_relative_gain=0.02,
+                       max_total_drafts=rng.choice((None, None, rng.randint(0, 10))))
+        problems.append((estimates, caps, cost, options))
+    few = [allocate(e, c, dataclasses.replace(cost), **o) for e, c, cost, o in problems]
+    monkeypatch.setattr(goodput_module, "_FEW_DRAFTS", -1)  # every problem through numpy
+    vectorised = [allocate(e, c, dataclasses.replace(cost), **o) for e, c, cost, o in problems]
+    assert few == vectorised
+    assert sum(a.total_drafts > 0 for a in few) >= 15  # the problems do hand out drafts
+
+
 def test_high_alpha_request_gets_tokens_first():
     # B = 2, t = 1 + b * (drafts); goodput(0) = 2 tokens/s.
     two = [est(0.9), est(0.2)]
@@ -1073,13 +1101,14 @@ def test_prefill_steps_are_no_baseline_for_the_draft_slope():
 def test_planner_learns_that_an_overpriced_draft_is_cheap():
     """The profile prices a draft at 2.5 ms on a 20 ms step at B=4; the machine charges 0.5 ms. With
     the n-gram prior (first draft worth 0.3 tokens) speculation pays on the machine but not in the
-    model, so a planner that only trusts the model stays off forever. With the draft slope it
-    probes a few cheap drafts after one plain step, measures, and speculates."""
+    model, so a planner that only trusts the model (and its beliefs) stays off forever. With the
+    draft slope it probes a few cheap drafts after one plain step, measures, and speculates."""
     model = RidgeLatency(a=0.02, b=0.0025, ridge_tokens=4)
     machine = _Machine(0.02, 0.0005)
     alphas = [0.7] * 4
     rng = random.Random(5)
-    stuck = Planner(make_policy("goodput"), model, config=PlannerConfig(draft_slope=DraftSlopeConfig(optimism=0.0)))
+    stuck = Planner(GoodputPolicy(explore_optimism=0.0), model,
+                    config=PlannerConfig(draft_slope=DraftSlopeConfig(optimism=0.0)))
     assert all(ks == [0] * 4 for ks in _run_planner(stuck, machine, alphas, 30, rng))
     learner = Planner(make_policy("goodput"), model)
     chosen = _run_planner(learner, machine, alphas, 30, rng)

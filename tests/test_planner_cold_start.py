@@ -92,6 +92,65 @@ def test_exploration_is_cheap_when_memory_bound_and_nil_when_compute_bound():
         GoodputPolicy(explore_full_below=1.0)
 
 
+def thin_state(pool_evidence: float, ridge: float = 10.0) -> PolicyState:
+    """One request whose lookup found 8 drafts after a 1-token match, its first draft believed
+    accepted 0.1 of the time (the 0.2 prior after two rejections), on a step where a draft costs 10%
+    of it: at 0.1 no draft pays (1.1 tokens for 1.1 steps), at 0.25 one does."""
+    request = RequestState(0, "r0", 8, 300, AcceptanceEstimate(0.65, (1.0,) * 8, 0.1), None, 2,
+                           pool_evidence=pool_evidence, looked_up=True)
+    latency = RidgeLatency(a=0.008, b=0.0008, ridge_tokens=1)
+    return PolicyState(requests=(request,), base=StepShape(1, 1, 300), max_k=8, proposer="ngram", workload="w",
+                       pricing=StepPricing(latency=latency), roofline=roofline(ridge))
+
+
+def test_a_thin_belief_is_tried_where_exploring_is_cheap():
+    """A belief two outcomes have pulled to 0.1 would never be drafted again, so it could never
+    learn that it is accepted 0.3 of the time. Where a draft is cheap (memory-bound) the policy
+    values such a first draft a standard deviation above its mean and probes, within the
+    exploration budget; with evidence behind the belief, or past the ridge, it does not."""
+    policy = GoodputPolicy()
+    thin = thin_state(pool_evidence=2.0)
+    assert policy._allocate(thin, thin.cost_model()).total_drafts == 0  # off at the belief's mean
+    assert policy.optimistic_estimates(thin)[0].alpha_first == pytest.approx(0.1 + (0.09 / 4) ** 0.5)
+    probe = policy.plan(thin)
+    assert probe.total_drafts >= 1 and probe.goodput >= (1 - policy.explore_budget) * probe.off_goodput
+    assert policy.plan(thin_state(pool_evidence=400.0)).total_drafts == 0  # a well-checked 0.1 stays off
+    assert GoodputPolicy(explore_optimism=0.0).plan(thin).total_drafts == 0
+    assert policy.plan(thin_state(pool_evidence=2.0, ridge=0.1)).total_drafts == 0  # compute-bound: no probe
+    with pytest.raises(ValueError, match="explore_optimism"):
+        GoodputPolicy(explore_optimism=-1.0)
+
+
+def planner_on_a_short_match(policy: GoodputPolicy, steps: int) -> list[int]:
+    """A B = 1 request whose every lookup matches 1 token, on a machine charging what the model
+    says (a draft 10% of a step); its first drafts are accepted 0.35 of the time, but the first two
+    drafted steps are rejected, as a cold GSM8K request's were (reports/README.md). k per step."""
+    latency = RidgeLatency(a=0.008, b=0.0008, ridge_tokens=1)
+    planner = Planner(policy, latency)
+    rng = random.Random(4)
+    view = StepView((RequestView(0, "r0", 300, 10, 8, True, 8, 1),), 0, 0, 300, "ngram")
+    chosen, drafted = [], 0
+    for _ in range(steps):
+        k = planner.decide(view)[0]
+        accepted = 0
+        if k:
+            drafted += 1
+            while drafted > 2 and accepted < k and rng.random() < (0.35 if accepted == 0 else 0.65):
+                accepted += 1
+        forward = latency.predict(StepShape(1, 1 + k, 300 + k))
+        planner.observe(StepRecord((RequestRecord(0, "r0", k, k, accepted, accepted + 1, natural_k=8, match_length=1),),
+                                   1, 1 + k, 0, 300 + k, 0.0, forward, 0.0, forward))
+        chosen.append(k)
+    return chosen
+
+
+def test_the_planner_learns_a_short_match_pays_after_an_unlucky_start():
+    stuck = planner_on_a_short_match(GoodputPolicy(explore_optimism=0.0), 120)
+    assert sum(k > 0 for k in stuck) <= 3 and not any(stuck[-100:])  # two rejections and it stays off
+    learner = planner_on_a_short_match(GoodputPolicy(), 120)
+    assert sum(k > 0 for k in learner[-60:]) >= 45  # tried again, learned, drafting
+
+
 # ------------------------------------------------------------------ robust step-time feedback
 
 def fitted_slope(config: DraftSlopeConfig, seed: int) -> float:
