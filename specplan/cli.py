@@ -12,13 +12,12 @@ import typer
 
 from specplan import cli_checks as check
 from specplan.bench.cli import bench_app
-from specplan.cli_checks import fail, reports_errors
+from specplan.cli_checks import Quantize, fail, reports_errors
 
 # Engine sizing options shared by `serve` and `sweep`.
 MaxNumSeqs = Annotated[int, typer.Option(help="Sequences in the running batch at once.")]
 MaxModelLen = Annotated[int, typer.Option(help="Prompt plus output tokens per request.")]
 KvCacheMib = Annotated[int, typer.Option(help="KV cache budget in MiB.")]
-Quantize = Annotated[str, typer.Option(help="Weights: none (float32) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 blocks as stored) | int8 | q4 (quantized at load).")]
 
 Beliefs = Annotated[bool, typer.Option("--beliefs/--no-beliefs", help="Start the planner from what earlier runs learned for this model and machine (saved beside the profile); --no-beliefs: from its built-in priors.")]
 

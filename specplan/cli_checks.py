@@ -17,11 +17,14 @@ import socket
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
 import typer
 
 EXIT_BAD_INPUT = 2
+
+# The built-in engine's weights option, shared by every command that loads the model.
+Quantize = Annotated[str, typer.Option(help="Weights: none (float32) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 blocks as stored) | int8 | q4 (quantized at load).")]
 
 
 class CliError(Exception):

@@ -154,4 +154,9 @@ def test_a_child_process_runs_one_cold_request(tmp_path):
     assert warm["digests"] == adaptive["digests"][:1]  # the same tokens, whatever the planner knew
     with pytest.raises(RuntimeError, match="coldstart child"):
         spawn(ChildJob(OFF, [ids], 6, str(tmp_path / "missing.json")))
+    assert adaptive["bytes_per_weight"] == 4.0  # float32 unless asked
+    # --quantize gguf: the embedded GGUF's own 4.5-bit blocks, and speculation lossless on them.
+    q_off = spawn(ChildJob(OFF, [ids], 6, str(profile), quantize="gguf"))
+    q_static = spawn(ChildJob("static:2", [ids], 6, str(profile), quantize="gguf"))
+    assert q_off["bytes_per_weight"] < 1.0 and q_static["digests"] == q_off["digests"]
 

@@ -141,6 +141,7 @@ def bench_coldstart(
     calibration_after: Annotated[str, typer.Option(help="Comma-separated request counts to read calibration after ('' skips it).")] = "0,10,100",
     calibration_window: Annotated[int, typer.Option(help="Requests read at each calibration checkpoint.")] = 5,
     null_control: Annotated[bool, typer.Option(help="Run SD off a second time as its own cold-start arm (control:off): what pairing alone reads.")] = True,
+    quantize: check.Quantize = "none",
 ) -> None:
     """The planner on traffic it has not seen: one cold request per process (off, static k, adaptive
     with and without saved beliefs), a mixed-workload batch, and calibration after 0, 10, 100 requests."""
@@ -165,5 +166,5 @@ def bench_coldstart(
     path = run_coldstart(out, model=model, profile=profile, workloads=workload_names, prompts=prompts, runs=runs,
                          static_ks=ks, max_tokens=max_tokens, train_prompts=train_prompts, mixed_batch=mixed_batch,
                          calibration_after=after, calibration_window=calibration_window, null_control=null_control,
-                         progress=sys.stderr.isatty(), command="specplan " + shlex.join(sys.argv[1:]))
+                         quantize=quantize, progress=sys.stderr.isatty(), command="specplan " + shlex.join(sys.argv[1:]))
     typer.echo(f"wrote {path}")

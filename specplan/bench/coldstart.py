@@ -68,6 +68,7 @@ class ChildJob:
     proposer: str = "ngram"
     beliefs: str | None = None  # load from (read only)
     save_beliefs: str | None = None
+    quantize: str = "none"  # the weights (engine/model/loader.py ``load_model``)
 
 
 def _digest(tokens: list[int]) -> str:
@@ -103,11 +104,12 @@ def run_job(job: ChildJob) -> dict:
     from specplan.profiler.profile import Profile
 
     profile = Profile.load(job.profile)  # a bad path fails before the model loads
-    loaded = load_model(job.model)
+    loaded = load_model(job.model, quantize=job.quantize)
     engine = _engine(loaded, job.proposer, 1, 8, kv_cache_mib=B1_KV_CACHE_MIB)
     run_cell(engine, [loaded.tokenizer.encode(WARMUP_PROMPT)], FixedDecider(0), 8, concurrency=1)  # untimed
     decider = _decider(job, loaded, profile)
-    out = {"arm": job.arm, "tokens": [], "seconds": [], "digests": [], "mean_k": [], "k_zero_share": []}
+    out = {"arm": job.arm, "tokens": [], "seconds": [], "digests": [], "mean_k": [], "k_zero_share": [],
+           "bytes_per_weight": loaded.bytes_per_weight()}
     for prompt in job.prompts:
         r = run_cell(engine, [prompt], decider, job.max_tokens, concurrency=1)
         out["tokens"].append(r["output_tokens"])
@@ -144,7 +146,8 @@ def _prompts(loaded, workload: str, n: int, skip: int = 0) -> list[list[int]]:
 
 def cold_start_rows(loaded, profile_path: Path, *, workloads=WORKLOADS, prompts: int = 3, runs: int = 5,
                     static_ks=STATIC_KS, max_tokens: int = 128, train_prompts: int = 8, model: str | None = None,
-                    proposer: str = "ngram", null_control: bool = True, out_dir: Path, bar=None) -> list[dict]:
+                    proposer: str = "ngram", null_control: bool = True, quantize: str = "none", out_dir: Path,
+                    bar=None) -> list[dict]:
     """One row per (workload, arm, run, prompt): a child process each. The beliefs of the
     ``adaptive+beliefs`` arm come from one child per workload that served ``train_prompts``
     prompts the evaluation does not use (evaluate.py ``held_out_prompts``) and saved them.
@@ -156,7 +159,7 @@ def cold_start_rows(loaded, profile_path: Path, *, workloads=WORKLOADS, prompts:
     task = bar.add_task("cold start", total=len(workloads) * (1 + runs * prompts * len(arms))) if bar else None
 
     def job(arm: str, ps: list[list[int]], **kw) -> ChildJob:
-        return ChildJob(arm, ps, max_tokens, str(profile_path), model, proposer, **kw)
+        return ChildJob(arm, ps, max_tokens, str(profile_path), model, proposer, quantize=quantize, **kw)
 
     for w in workloads:
         beliefs = out_dir / f"beliefs-{w}.json"
@@ -399,7 +402,8 @@ def render(result: dict, out_dir: Path) -> Path:
     cold, timed = s["cold_start"], s["cold_start"] or s.get("mixed")
     lines = ["# Cold start: the planner on traffic it has not seen", "",
              f"Command: `{result['command']}`  ", f"Date: {result['date']}  ", result["machine"], "",
-             f"Proposer {cfg['proposer']}, greedy, {cfg['max_tokens']} output tokens per request."]
+             f"Model {cfg.get('model', '?')}, weights {cfg.get('quantize', 'none')}; proposer {cfg['proposer']}, "
+             f"greedy, {cfg['max_tokens']} output tokens per request."]
     if timed:
         lines[-1] += (f" {cfg['runs']} runs (arms interleaved, rotated each run). Cold-start cells: B = 1, one "
                       f"request per process, {cfg['prompts']} prompts per workload; a run's reading of an arm is its "
@@ -546,8 +550,8 @@ def render(result: dict, out_dir: Path) -> Path:
 def run_coldstart(out_dir: Path, *, model: str | None = None, profile: str | None = None, workloads=WORKLOADS,
                   prompts: int = 3, runs: int = 5, static_ks=STATIC_KS, max_tokens: int = 128,
                   train_prompts: int = 8, mixed_batch: int = 16, calibration_after=CALIBRATION_AFTER,
-                  calibration_window: int = 5, proposer: str = "ngram", null_control: bool = True, progress: bool = True,
-                  command: str = "specplan bench coldstart") -> Path:
+                  calibration_window: int = 5, proposer: str = "ngram", null_control: bool = True, quantize: str = "none",
+                  progress: bool = True, command: str = "specplan bench coldstart") -> Path:
     """Every part (``mixed_batch`` 0 or an empty ``calibration_after`` leaves one out); writes
     coldstart.json, coldstart.md and coldstart.png into ``out_dir`` and returns the Markdown's path."""
     from rich.progress import Progress
@@ -560,7 +564,7 @@ def run_coldstart(out_dir: Path, *, model: str | None = None, profile: str | Non
     # Read before this run's own work: a fresh quick profile keeps both cores busy for minutes, and
     # read after it the load would call a quiet machine busy.
     load_before = (load_average() or [None])[0]
-    loaded = load_model(model)
+    loaded = load_model(model, quantize=quantize)
     prof = load_or_make_profile(loaded, profile)
     profile_path = out_dir / "profile.json"
     prof.save(profile_path)  # every child steers by this very profile
@@ -568,8 +572,8 @@ def run_coldstart(out_dir: Path, *, model: str | None = None, profile: str | Non
     with Progress(disable=not progress) as bar:
         cold = cold_start_rows(loaded, profile_path, workloads=workloads, prompts=prompts, runs=runs,
                                static_ks=static_ks, max_tokens=max_tokens, train_prompts=train_prompts, model=model,
-                               proposer=proposer, null_control=null_control, out_dir=out_dir,
-                               bar=bar) if prompts and runs else []
+                               proposer=proposer, null_control=null_control, quantize=quantize,
+                               out_dir=out_dir, bar=bar) if prompts and runs else []
         mixed = mixed_rows(loaded, prof, batch=mixed_batch, runs=runs, static_ks=static_ks, max_tokens=max_tokens,
                            workloads=workloads, proposer=proposer, bar=bar) if mixed_batch else []
         calibration = calibration_rows(loaded, prof, workloads=workloads, after=calibration_after,
@@ -581,7 +585,8 @@ def run_coldstart(out_dir: Path, *, model: str | None = None, profile: str | Non
         "config": {"workloads": list(workloads), "prompts": prompts, "runs": runs, "static_ks": list(static_ks),
                    "max_tokens": max_tokens, "train_prompts": train_prompts, "mixed_batch": mixed_batch,
                    "calibration_after": list(calibration_after), "calibration_window": calibration_window,
-                   "proposer": proposer, "null_control": null_control, "model": loaded.name},
+                   "proposer": proposer, "null_control": null_control, "model": loaded.name,
+                   "quantize": quantize},
         "summary": summarize(cold, mixed, calibration, after=calibration_after, window=calibration_window),
         "rows": {"cold_start": cold, "mixed": mixed, "calibration": calibration},
     }
