@@ -1,0 +1,107 @@
+"""What the planner costs per B = 1 engine step, by call: the screen (``may_speculate``), ``decide``
+on a step where no draft is possible, ``decide`` where the lookup found drafts, and ``observe``.
+
+It records what the engine hands the planner over one cold request of each workload (the
+evaluation's first prompt, 128 tokens, n-gram, greedy, goodput policy), then replays that trace
+through fresh planners, so the planner's time is measured alone, without the forward pass
+beside it, and the same trace can be replayed by another checkout (``--trace``: written if
+missing, read if present; plain pickles of the engine's view and record dataclasses).
+
+    python scripts/planner_step_cost.py --quantize gguf --trace /tmp/b1.pkl --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import statistics
+import time
+from pathlib import Path
+
+from specplan.profiler.profile import Profile
+from specplan.planner.from_profile import planner_from_profile
+from specplan.policies import make_policy
+
+WORKLOADS = ("gsm8k", "mtbench", "humaneval", "xsum")
+KINDS = ("screen", "decide, no draft", "decide, drafts", "observe")
+
+
+def fresh_planner(profile: Profile):
+    return planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=8)
+
+
+def record_trace(profile: Profile, quantize: str, max_tokens: int) -> list[tuple[str, object]]:
+    """[(kind, argument)]: every call the engine made on the planner, one request per workload
+    (kind "new" between them: the replay starts a fresh planner there, as each request had)."""
+    from specplan.bench.coldstart import B1_KV_CACHE_MIB, WARMUP_PROMPT, _prompts
+    from specplan.bench.evaluate import _engine, run_cell
+    from specplan.engine import FixedDecider, load_model
+
+    loaded = load_model(None, quantize=quantize)
+    engine = _engine(loaded, "ngram", 1, 8, kv_cache_mib=B1_KV_CACHE_MIB)
+    run_cell(engine, [loaded.tokenizer.encode(WARMUP_PROMPT)], FixedDecider(0), 8, concurrency=1)
+    trace: list[tuple[str, object]] = []
+    for workload in WORKLOADS:
+        planner = fresh_planner(profile)
+        for kind, name in (("screen", "may_speculate"), ("decide", "decide"), ("observe", "observe")):
+            method = getattr(planner, name)
+            setattr(planner, name, lambda x, method=method, kind=kind: (trace.append((kind, x)), method(x))[1])
+        run_cell(engine, [_prompts(loaded, workload, 1)[0]], planner, max_tokens, concurrency=1)
+        trace.append(("new", workload))
+    return trace
+
+
+def replay(profile: Profile, trace: list[tuple[str, object]]) -> dict[str, float]:
+    """Microseconds per call of each kind over one replay of the trace."""
+    spent = dict.fromkeys(KINDS, 0.0)
+    calls = dict.fromkeys(KINDS, 0)
+    planner = fresh_planner(profile)
+    for kind, arg in trace:
+        if kind == "new":
+            planner = fresh_planner(profile)
+            continue
+        if kind == "decide":
+            kind = "decide, drafts" if any(r.max_k for r in arg.requests) else "decide, no draft"
+        call = planner.may_speculate if kind == "screen" else planner.observe if kind == "observe" else planner.decide
+        t0 = time.perf_counter()
+        call(arg)
+        spent[kind] += time.perf_counter() - t0
+        calls[kind] += 1
+    return {k: spent[k] / calls[k] * 1e6 if calls[k] else 0.0 for k in KINDS} | {"calls": calls}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", help="latency profile JSON (default: the cached one for these weights)")
+    parser.add_argument("--quantize", default="gguf", help="the engine's weights when recording (default gguf)")
+    parser.add_argument("--trace", type=Path, help="trace file: replayed if it exists, else recorded there")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        from specplan.adaptive import load_or_make_profile
+        from specplan.engine import load_model
+
+        profile = load_or_make_profile(load_model(None, quantize=args.quantize), None)
+    if args.trace and args.trace.exists():
+        trace = pickle.loads(args.trace.read_bytes())
+    else:
+        trace = record_trace(profile, args.quantize, args.max_tokens)
+        if args.trace:
+            args.trace.write_bytes(pickle.dumps(trace))
+    runs = [replay(profile, trace) for _ in range(args.repeats)]
+    calls = runs[0]["calls"]
+    steps = calls["observe"]
+    print(f"{steps} steps replayed {args.repeats}x; median microseconds per call (calls per replay):")
+    per_step = 0.0
+    for kind in KINDS:
+        us = statistics.median(r[kind] for r in runs)
+        per_step += us * calls[kind] / max(steps, 1)
+        print(f"  {kind:17s} {us:7.1f} us  ({calls[kind]})")
+    print(f"  per step, all calls: {per_step:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
