@@ -345,24 +345,28 @@ class Planner:
         touched = set()
         total_drafts = deepest = 0
         for rr in record.requests:
-            t = self._tracked(rr.seq_id, rr.request_id, proposer)
-            acc = self.acceptance(t, rr.match_length)
-            # Under a confidence stop a short draft is the stop rule's choice, not the proposer
-            # running out: the request is read as having asked for what it drafted.
-            k = rr.k_in_effect
-            acc.observe(k, rr.num_proposed, rr.num_accepted, rr.natural_k)
-            touched.add(acc.pool)
             confidence = getattr(rr, "confidence", None)
             if confidence and self.confidence is not None:
                 self.confidence.observe(confidence, rr.num_accepted)
-            if k > 0:
-                chosen = self._chosen_gains.get(rr.seq_id)  # empty without calibration
-                if chosen is not None:
-                    gains, scale = chosen
-                    self.calibration.observe(sum(gains[:k]) * scale, rr.num_accepted)
-                t.last_outcome = _outcome(k, rr.num_proposed, rr.num_accepted)
-                total_drafts += k
-                deepest = max(deepest, k)
+            # Under a confidence stop a short draft is the stop rule's choice, not the proposer
+            # running out: the request is read as having asked for what it drafted.
+            k = rr.k_in_effect
+            if k <= 0:
+                # Not asked for drafts: nothing about them was observed (OutcomeCounts.add), so
+                # neither belief moves. Most rows of a large batch, every step (at B = 32 under
+                # vLLM nearly all): skipping them is most of this loop's cost there.
+                continue
+            t = self._tracked(rr.seq_id, rr.request_id, proposer)
+            acc = self.acceptance(t, rr.match_length)
+            acc.observe(k, rr.num_proposed, rr.num_accepted, rr.natural_k)
+            touched.add(acc.pool)
+            chosen = self._chosen_gains.get(rr.seq_id)  # empty without calibration
+            if chosen is not None:
+                gains, scale = chosen
+                self.calibration.observe(sum(gains[:k]) * scale, rr.num_accepted)
+            t.last_outcome = _outcome(k, rr.num_proposed, rr.num_accepted)
+            total_drafts += k
+            deepest = max(deepest, k)
         for p in touched:
             p.refresh()
         if self.latency is not None:

@@ -33,12 +33,12 @@ MAX_LEN = 2048
 
 class TargetText:
     """One request's future: a prompt and a continuation that copies spans of what came before
-    half of the time (where the n-gram lookup's drafts are accepted) and is fresh otherwise."""
+    ``copy_share`` of the time (where the n-gram lookup's drafts are accepted) and is fresh otherwise."""
 
-    def __init__(self, rng: random.Random, prompt_len: int, length: int, vocab: int = 3000):
+    def __init__(self, rng: random.Random, prompt_len: int, length: int, vocab: int = 3000, copy_share: float = 0.5):
         toks = [rng.randrange(vocab) for _ in range(prompt_len)]
         while len(toks) < prompt_len + length:
-            if rng.random() < 0.5:
+            if rng.random() < copy_share:
                 start = rng.randrange(len(toks) - 4)
                 toks.extend(toks[start:start + rng.randrange(4, 24)])
             else:
@@ -61,10 +61,11 @@ def yardstick_s() -> float:
 
 
 def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer: str,
-             seed: int = 0, screen_reuse_steps: int | None = None, yardstick: list[float] | None = None
-             ) -> tuple[PlanningDrafter, list[float]]:
+             seed: int = 0, screen_reuse_steps: int | None = None, yardstick: list[float] | None = None,
+             copy_share: float = 0.5) -> tuple[PlanningDrafter, list[float]]:
     """Drive the drafter as vLLM would: B rows, greedy verification against each row's target.
-    ``yardstick``: a list to append ``yardstick_s()`` to after every call."""
+    ``yardstick``: a list to append ``yardstick_s()`` to after every call; ``copy_share``: how often
+    the rows' text copies itself (0.5: the lookups' drafts often pay; 0.1: chat-like, few do)."""
     from specplan.profiler.fit import HingeLatencyModel
     from specplan.profiler.latency_model import StepShape
 
@@ -94,7 +95,7 @@ def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer:
     targets: list[TargetText | None] = [None] * batch
 
     def admit(row: int) -> list[int]:
-        t = targets[row] = TargetText(rng, rng.randrange(100, 600), rng.randrange(100, 400))
+        t = targets[row] = TargetText(rng, rng.randrange(100, 600), rng.randrange(100, 400), copy_share=copy_share)
         n = t.prompt_len + 1  # the prompt ran and the first token was sampled
         token_ids[row, :n] = t.toks[:n]
         lens[row] = n
@@ -204,9 +205,21 @@ class YardstickedProposer:
     def __new__(cls, vllm_config):
         from specplan.integrations.vllm import SpecplanProposer
 
+        cprofile_path = os.environ.get("SPECPLAN_COST_CPROFILE")  # --vllm --cprofile: pstats of every call
+
         class Yardsticked(SpecplanProposer):
             def propose(self, *args, **kwargs):
-                out = super().propose(*args, **kwargs)
+                if cprofile_path:
+                    import cProfile
+
+                    self.prof = getattr(self, "prof", None) or cProfile.Profile()
+                    self.prof.enable()
+                    out = super().propose(*args, **kwargs)
+                    self.prof.disable()
+                    if self.stats.calls % 50 == 0:
+                        self.prof.dump_stats(cprofile_path)
+                else:
+                    out = super().propose(*args, **kwargs)
                 self.yardsticks = getattr(self, "yardsticks", [])
                 self.yardsticks.append(yardstick_s())
                 if self.stats_path is not None:
@@ -228,6 +241,9 @@ def run_vllm(args) -> None:
     options = PluginOptions(policy=args.policy, profile=args.profile, proposer=args.proposer,
                             stats_path=str(stats_path))
     os.environ.update(options.to_env())
+    cprofile_path = stats_path.with_suffix(".pstats")
+    if args.cprofile:
+        os.environ["SPECPLAN_COST_CPROFILE"] = str(cprofile_path)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # else vLLM-CPU wants 92% of the machine's memory
     here = str(Path(__file__).resolve().parent)  # vLLM's worker imports YardstickedProposer from here
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
@@ -244,6 +260,10 @@ def run_vllm(args) -> None:
     stats = json.loads(stats_path.read_text())
     print(f"vLLM {args.batch} requests x {args.steps} tokens: {tokens / elapsed:.1f} tok/s (busy machine: not a claim)")
     report(stats, args.batch)
+    if args.cprofile:  # the profiler inflates the plugin's own times: read where they go, not how much
+        import pstats
+
+        pstats.Stats(str(cprofile_path)).sort_stats(os.environ.get("SORT", "tottime")).print_stats(30)
     yard = json.loads(stats_path.with_suffix(".yard.json").read_text())
     own = [o for rows, o, _ in stats["recent"][-len(yard):] if rows == args.batch]
     if own:
@@ -275,7 +295,9 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="measure inside real vLLM")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                     help="with --vllm: vLLM without torch.compile (minutes less to start; the plugin's cost is the same)")
-    ap.add_argument("--cprofile", action="store_true", help="offline: print the top functions by cumulative time")
+    ap.add_argument("--copy-share", type=float, default=0.5,
+                    help="offline: how often the simulated text copies itself (0.1 reads like chat at B = 32: few drafts pay)")
+    ap.add_argument("--cprofile", action="store_true", help="print the top functions (offline: by cumulative time; --vllm: by own time, the calls in vLLM's worker)")
     ap.add_argument("--planner-breakdown", action="store_true",
                     help="offline: the planner's functions' inclusive ms per call (wrapped timers, ~0.3 us each)")
     ap.add_argument("--screen-reuse-steps", type=int, default=None,
@@ -293,7 +315,8 @@ def main() -> None:
         prof.enable()
     yard: list[float] = []
     drafter, costs = simulate(args.batch, args.steps, args.policy, args.profile, args.proposer,
-                              screen_reuse_steps=args.screen_reuse_steps, yardstick=yard)
+                              screen_reuse_steps=args.screen_reuse_steps, yardstick=yard,
+                              copy_share=args.copy_share)
     if args.cprofile:
         prof.disable()
         pstats.Stats(prof).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(35)
