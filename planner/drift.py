@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from ..profiler.latency_model import LatencyModel, StepShape, predict_many
+from ..profiler.latency_model import LatencyModel, StepShape, predict_added, predict_many
 from .timing import solve3
 
 
@@ -74,12 +74,27 @@ class DriftCorrectedLatency:
     def __init__(self, inner: LatencyModel, drift: DriftCorrection):
         self.inner = inner
         self.drift = drift
+        # The inner model's latest short curve, (base, count, seconds): one decision prices the
+        # same base step at the learned and at the optimistic price, and the screen before it too.
+        self._added: tuple[StepShape, int, list[float]] | None = None
 
     def predict(self, shape: StepShape) -> float:
         return self.inner.predict(shape) * self.drift.factor
 
     def predict_many(self, num_seqs: int, num_tokens: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
         return predict_many(self.inner, num_seqs, num_tokens, context_tokens) * self.drift.factor
+
+    def predict_added(self, base: StepShape, count: int) -> list[float]:
+        """profiler/latency_model.py ``predict_added``, scaled by the drift factor (the same floats
+        as ``predict_many``); the inner model's curve is kept for the next question on this base."""
+        kept = self._added
+        if kept is not None and kept[0] == base and kept[1] >= count:
+            inner = kept[2]
+        else:
+            inner = predict_added(self.inner, base, count)
+            self._added = (base, count, inner)
+        factor = self.drift.factor
+        return [x * factor for x in inner[:count + 1]]
 
 
 @dataclass(frozen=True)

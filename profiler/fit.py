@@ -63,6 +63,33 @@ class HingeLatencyModel:
                 + self.per_query_context * num_tokens * context_tokens / max(1, num_seqs)
                 + self.multi_token_jump * (num_tokens >= 2) + np.interp(num_tokens, knots_x, knots_y))
 
+    def predict_added(self, base: StepShape, count: int) -> list[float]:
+        """``predict_many`` at base.num_tokens + n and base.context_tokens + n for n = 0..count, in
+        plain Python with the same float operations in the same order (np.interp's included), so
+        the same floats (tests/test_fit.py checks): at the planner's short curves numpy's per-call
+        cost is most of the work."""
+        xs, ys, slopes = self._hinge_lists
+        b, n0, c0 = base.num_seqs, base.num_tokens, base.context_tokens
+        fixed_b, per_b = self.per_seq * b, max(1, b)
+        a, pc, pq, jump = self.intercept, self.per_context_token, self.per_query_context, self.multi_token_jump
+        out = []
+        j, last = 0, len(xs) - 2  # j: the knot segment [xs[j], xs[j + 1]) holding n (n only grows)
+        for n, c in zip(range(n0, n0 + count + 1), range(c0, c0 + count + 1)):
+            if n <= xs[0]:
+                hinge = ys[0]  # np.interp's left value
+            else:
+                while j < last and n >= xs[j + 1]:
+                    j += 1
+                hinge = slopes[j] * (n - xs[j]) + ys[j]  # np.interp: slope * (x - x_j) + y_j
+            out.append(a + pc * c + fixed_b + pq * n * c / per_b + jump * (n >= 2) + hinge)
+        return out
+
+    @cached_property
+    def _hinge_lists(self) -> tuple[list[float], list[float], list[float]]:
+        """``_hinge_points`` as lists, with each segment's slope as np.interp computes it."""
+        x, y = (v.tolist() for v in self._hinge_points)
+        return x, y, [(y[i + 1] - y[i]) / (x[i + 1] - x[i]) for i in range(len(x) - 1)]
+
     @cached_property
     def _hinge_points(self) -> tuple[np.ndarray, np.ndarray]:
         """(x, y): sum_k slope_k * max(0, x - knot_k) at every knot and at a point far past the

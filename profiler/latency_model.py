@@ -31,6 +31,20 @@ class LatencyModel(Protocol):
         ...
 
 
+def predict_added(model: LatencyModel, base: StepShape, count: int) -> list[float]:
+    """[count + 1]: the model's seconds for ``base`` with 0, 1, ..., count more query tokens, each
+    also one more KV token read (a step's drafts: planner/goodput.py ``with_drafts``), as plain
+    floats. The planner asks this of short curves every step (count = B x k <= 64 at small
+    batches), where numpy's per-call cost is most of the work: a model with ``predict_added`` (the
+    fitted one; the drift-corrected one) answers in plain Python, with the same floats as
+    ``predict_many``; any other model goes through ``predict_many``."""
+    added = getattr(model, "predict_added", None)
+    if added is not None:
+        return added(base, count)
+    n = np.arange(count + 1)  # [count + 1]
+    return predict_many(model, base.num_seqs, base.num_tokens + n, base.context_tokens + n).tolist()
+
+
 def predict_many(model: LatencyModel, num_seqs: int, num_tokens: np.ndarray, context_tokens: np.ndarray
                  ) -> np.ndarray:
     """The model's seconds for steps of ``num_seqs`` sequences and each of the token counts

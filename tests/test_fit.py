@@ -89,3 +89,20 @@ def test_predict_many_agrees_with_predict(seed):
     assert many.shape == (600,)
     one = [model.predict(StepShape(num_seqs, int(t), int(c))) for t, c in zip(tokens, context)]
     assert many.tolist() == pytest.approx(one, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_predict_added_is_predict_many_in_plain_python(seed):
+    # The planner's short curves (a base step plus 0..count drafts) are priced in plain Python;
+    # they must be the very floats numpy gives, so no decision depends on which path ran.
+    rng = random.Random(seed)
+    knots = tuple(rng.sample([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0], rng.randint(1, 8)))
+    model = HingeLatencyModel(rng.uniform(0, 0.05), knots, tuple(rng.uniform(0, 1e-3) for _ in knots),
+                              rng.uniform(0, 1e-6), rng.uniform(0, 1e-3), rng.choice([0.0, 0.004]),
+                              rng.choice([0.0, 1e-8]))
+    for _ in range(50):
+        base = StepShape(rng.randint(1, 64), rng.randint(0, 300), rng.randint(0, 20_000))
+        count = rng.randint(0, 200)
+        n = np.arange(count + 1)
+        expected = model.predict_many(base.num_seqs, base.num_tokens + n, base.context_tokens + n).tolist()
+        assert model.predict_added(base, count) == expected

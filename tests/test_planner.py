@@ -146,6 +146,38 @@ def test_the_few_drafts_search_matches_the_vectorised_one(seed, monkeypatch):
     assert sum(a.total_drafts > 0 for a in few) >= 15  # the problems do hand out drafts
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_short_cost_curves_are_the_numpy_curves(seed, monkeypatch):
+    """``StepCostModel.target_curve`` prices short curves in plain Python (the fitted model's
+    ``predict_added``, behind the drift correction, then the slope and jump element by element)
+    and long ones with numpy: the same floats either way, whatever the slope, jump and drift."""
+    import specplan.planner.goodput as goodput_module
+    from specplan.planner.drift import DriftCorrectedLatency, DriftCorrection
+    from specplan.profiler.fit import HingeLatencyModel
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(40):
+        knots = tuple(sorted(rng.sample([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], rng.randint(1, 6))))
+        fitted = HingeLatencyModel(rng.uniform(0, 0.05), knots, tuple(rng.uniform(0, 1e-3) for _ in knots),
+                                   rng.uniform(0, 1e-6), rng.uniform(0, 1e-3), rng.choice([0.0, 0.004]),
+                                   rng.choice([0.0, 1e-8]))
+        drift = DriftCorrection()
+        drift.factor = rng.uniform(0.5, 2.0)
+        latency = rng.choice([fitted, DriftCorrectedLatency(fitted, drift), RidgeLatency(a=0.01, b=0.001)])
+        num = rng.randint(1, 8)
+        base = StepShape(num, num + rng.choice((0, 0, 64)), rng.randint(0, 5000))
+        cases.append((latency, base, rng.uniform(0.1, 4.0), rng.uniform(-0.3, 0.3), rng.randint(0, 32)))
+
+    def curves():  # the second curve of each case asks the drift-corrected model's kept one
+        return [StepCostModel(latency, base, draft_slope=slope, draft_jump=jump).target_curve(n)[:n + 1].tolist()
+                + StepCostModel(latency, base).target_curve(n // 2)[:n // 2 + 1].tolist()
+                for latency, base, slope, jump, n in cases]
+    short = curves()
+    monkeypatch.setattr(goodput_module, "_SHORT_CURVE", -1)  # every curve through numpy
+    assert short == curves()
+
+
 def test_high_alpha_request_gets_tokens_first():
     # B = 2, t = 1 + b * (drafts); goodput(0) = 2 tokens/s.
     two = [est(0.9), est(0.2)]
