@@ -34,7 +34,7 @@ def with_drafts(base: StepShape, total_drafts: int) -> StepShape:
     return StepShape(base.num_seqs, base.num_tokens + total_drafts, base.context_tokens + total_drafts)
 
 
-# Curves of up to this many drafts are priced in plain Python (``StepCostModel.target_curve``): at
+# Curves of up to this many drafts are priced in plain Python (``StepCostModel.target_seconds_list``): at
 # the planner's small batches numpy's per-call cost was most of the work, several times a step.
 # Measured (a fresh curve, Xeon VM): 8 drafts 15 us in Python against 37-42 us with numpy, 32
 # drafts 34 against 36-47, 64 drafts 58-62 against 38.
@@ -87,8 +87,11 @@ class StepCostModel:
     # n-gram share) run none, so a request served by a 1-token lookup with 8 drafts does not make
     # the head run 8 passes for the others.
     model_drafted: tuple[bool, ...] | None = None
-    # target_curve's latest answer (the allocator's, then every scalar question after it).
-    _curve: list = field(default_factory=lambda: [np.zeros(0)], init=False, repr=False, compare=False)
+    # The latest priced curve: [seconds as floats, the same as an array or None] (the allocator's,
+    # then every scalar question after it). No numpy here unless a numpy path asks: at B = 1 the
+    # planner runs right after the forward pass has evicted everything from the caches, and
+    # numpy's machinery is more code to fetch back than the arithmetic it saves.
+    _curve: list = field(default_factory=lambda: [[], None], init=False, repr=False, compare=False)
 
     def passes(self, ks: Sequence[int]) -> int:
         """Draft-model passes a step with these drafts runs: the deepest model-drafted k."""
@@ -96,23 +99,33 @@ class StepCostModel:
             return max(ks, default=0)
         return max((k for k, m in zip(ks, self.model_drafted) if m), default=0)
 
-    def target_curve(self, max_drafts: int) -> np.ndarray:
-        """[>= max_drafts + 1]: ``target_seconds(n)`` for n = 0, 1, ..., max_drafts, from one
-        vectorised prediction (the allocator weighs every total of drafts at once); kept, so
-        later questions about the same step read it."""
+    def target_seconds_list(self, max_drafts: int) -> list[float]:
+        """[>= max_drafts + 1]: ``target_seconds(n)`` for n = 0, 1, ..., max_drafts, priced at once
+        (the allocator weighs every total of drafts together) and kept, so later questions about
+        the same step read it. Short curves in plain Python, long ones with numpy; the same floats."""
         curve = self._curve[0]
         if len(curve) <= max_drafts:
             count = max(max_drafts, 2 * len(curve))
             base = self.base
             if count <= _SHORT_CURVE:
-                curve = self._curve[0] = np.array(self._short_curve(predict_added(self.latency, base, count)))
-                return curve
-            n = np.arange(count + 1)  # [n]
-            with_n = predict_many(self.latency, base.num_seqs, base.num_tokens + n, base.context_tokens + n)  # [n]
-            base_s = with_n[0]
-            increment = draft_increment(base_s, with_n, n, base.num_tokens)  # [n], 0 at n = 0
-            curve = self._curve[0] = priced_seconds(base_s, increment, self.draft_slope, self.draft_jump)
+                curve = self._short_curve(predict_added(self.latency, base, count))
+                self._curve[:] = [curve, None]
+            else:
+                n = np.arange(count + 1)  # [n]
+                with_n = predict_many(self.latency, base.num_seqs, base.num_tokens + n, base.context_tokens + n)  # [n]
+                base_s = with_n[0]
+                increment = draft_increment(base_s, with_n, n, base.num_tokens)  # [n], 0 at n = 0
+                priced = priced_seconds(base_s, increment, self.draft_slope, self.draft_jump)  # [n]
+                curve = priced.tolist()
+                self._curve[:] = [curve, priced]
         return curve
+
+    def target_curve(self, max_drafts: int) -> np.ndarray:
+        """``target_seconds_list`` as an array (for the allocator's numpy search)."""
+        curve = self.target_seconds_list(max_drafts)
+        if self._curve[1] is None:
+            self._curve[1] = np.array(curve)
+        return self._curve[1]
 
     def _short_curve(self, with_n: list[float]) -> list[float]:
         """``draft_increment`` and ``priced_seconds`` over a short curve, element by element with
@@ -133,7 +146,7 @@ class StepCostModel:
     def target_seconds(self, total_drafts: int) -> float:
         """Forward + verify time predicted by the (drift-corrected) latency model, its increment
         over the base step priced by the learned slope and jump (``priced_seconds``)."""
-        return float(self.target_curve(total_drafts)[total_drafts])
+        return self.target_seconds_list(total_drafts)[total_drafts]
 
     def seconds(self, ks: Sequence[int]) -> float:
         """The whole step's seconds (what an ITL SLA bounds)."""

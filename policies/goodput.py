@@ -22,9 +22,12 @@ possible n drafts. So we sort once and only have to choose how many to hand out:
 
 goodput(n) need not be unimodal (step time can jump at a kernel's tile size), so stopping at the
 first dip could miss a later peak. Every n is weighed instead, at once: the latency model
-predicts the whole curve T(0..N) in one vectorised call (``StepCostModel.target_curve``), and the
+predicts the whole curve T(0..N) in one call (``StepCostModel.target_seconds_list``), and the
 best n is an argmax over arrays of N + 1 entries (N = B * max_k = 256 at B = 32). That is exact for
-any step-time model, monotone or not, and is what keeps ``decide`` cheap at large batches.
+any step-time model, monotone or not, and is what keeps ``decide`` cheap at large batches. Small
+problems (B * max_k <= 64: a few requests) are searched the same way in plain Python
+(``_best_few``), on a curve priced in plain Python: there numpy's per-call cost, and the code it
+must fetch back into a cache the forward pass has just flushed, is most of the work.
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def _best_few(rows: Sequence[tuple[float, ...]], lengths: Sequence[int], depth: 
     order = sorted(range(len(gains)), key=gains.__getitem__, reverse=True)[:limit]  # stable
     if not order:
         return (), floor
-    curve = cost.target_curve(len(order)).tolist()  # exact: float64 to float
+    curve = cost.target_seconds_list(len(order))
     draft = cost.draft_cost
     fixed = cost.overhead_s - cost.shared_s
     per_pass = draft.per_pass_s * depth
@@ -140,6 +143,10 @@ def any_draft_pays(num: int, cap: int, cost: StepCostModel, *, sla_itl_s: float 
     floor = num / off_s * (1.0 + min_relative_gain)
     limit = num * cap if max_total_drafts is None else max(0, min(num * cap, max_total_drafts))
     for depth in (range(1, cap + 1) if cost.draft_cost.per_pass_s > 0.0 else (cap,)):
+        if num * depth <= _FEW_DRAFTS:  # as allocate: a small search in plain Python, the same answer
+            if _best_few(((1.0,) * depth,) * num, (depth,) * num, depth, limit, cost, sla_s, floor)[0]:
+                return True
+            continue
         most = min(limit, num * depth)
         cum = np.arange(most + 1, dtype=float)  # [most + 1]
         if _best_total(cum, num, _step_seconds(cost, most, depth), sla_s, floor)[0]:
@@ -164,7 +171,7 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     # SLA bounds the whole step. Both differ by the constant ``shared``, so the search runs on
     # charged seconds against an SLA lowered by it.
     shared = cost.shared_s
-    cost.target_curve(sum(caps))  # every total of drafts priced in one vectorised call, kept
+    cost.target_seconds_list(sum(caps))  # every total of drafts priced at once, kept
     off_s = cost.charged_seconds(zeros)
     off_goodput = num / off_s
     sla_s = sla_itl_s - shared if sla_itl_s is not None else None

@@ -147,6 +147,30 @@ def test_the_few_drafts_search_matches_the_vectorised_one(seed, monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_the_screen_answers_the_same_in_plain_python_and_numpy(seed, monkeypatch):
+    """``any_draft_pays`` (the planner's screen) searches small problems as ``allocate`` does, in
+    plain Python; on random steps, with and without a per-pass draft cost, an SLA and a draft
+    budget, it answers as the numpy search does, and both kinds of answer occur."""
+    import specplan.policies.goodput as goodput_module
+    from specplan.policies.goodput import any_draft_pays
+
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(120):
+        num, cap = rng.randint(1, 8), rng.randint(0, 8)
+        latency = RidgeLatency(a=0.01, b=rng.choice((0.0, 0.0004, 0.002, 0.006)), c=1e-7, ridge_tokens=rng.randint(1, 12))
+        cost = cost_for(latency, num, draft=DraftCost(per_pass_s=rng.choice((0.0, 3e-4)), per_token_s=rng.choice((0.0, 1e-4))),
+                        overhead=rng.choice((0.0, 5e-4)))
+        options = dict(sla_itl_s=rng.choice((None, None, 0.0125)), min_relative_gain=rng.choice((0.0, 0.02, 0.3)),
+                       max_total_drafts=rng.choice((None, None, rng.randint(0, 10))))
+        problems.append((num, cap, cost, options))
+    few = [any_draft_pays(n, c, dataclasses.replace(cost), **o) for n, c, cost, o in problems]
+    monkeypatch.setattr(goodput_module, "_FEW_DRAFTS", -1)
+    assert few == [any_draft_pays(n, c, dataclasses.replace(cost), **o) for n, c, cost, o in problems]
+    assert 10 <= sum(few) <= len(few) - 10
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_short_cost_curves_are_the_numpy_curves(seed, monkeypatch):
     """``StepCostModel.target_curve`` prices short curves in plain Python (the fitted model's
     ``predict_added``, behind the drift correction, then the slope and jump element by element)
