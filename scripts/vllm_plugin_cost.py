@@ -206,20 +206,19 @@ class YardstickedProposer:
         from specplan.integrations.vllm import SpecplanProposer
 
         cprofile_path = os.environ.get("SPECPLAN_COST_CPROFILE")  # --vllm --cprofile: pstats of every call
+        import cProfile
 
         class Yardsticked(SpecplanProposer):
-            def propose(self, *args, **kwargs):
-                if cprofile_path:
-                    import cProfile
+            prof = cProfile.Profile() if cprofile_path else None
 
-                    self.prof = getattr(self, "prof", None) or cProfile.Profile()
+            def propose(self, *args, **kwargs):
+                if self.prof is not None:
                     self.prof.enable()
-                    out = super().propose(*args, **kwargs)
+                out = super().propose(*args, **kwargs)
+                if self.prof is not None:
                     self.prof.disable()
-                    if self.stats.calls % 50 == 0:
+                    if self.stats.calls % 10 == 0:  # outside the plugin's timed call
                         self.prof.dump_stats(cprofile_path)
-                else:
-                    out = super().propose(*args, **kwargs)
                 self.yardsticks = getattr(self, "yardsticks", [])
                 self.yardsticks.append(yardstick_s())
                 if self.stats_path is not None:

@@ -73,15 +73,20 @@ def test_model_round_trips_through_dict():
     assert again == model
 
 
+def random_model(rng: random.Random) -> HingeLatencyModel:
+    """A fitted-form model with random knots (unsorted too), slopes, jump and attention term."""
+    knots = tuple(rng.sample([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0], rng.randint(1, 8)))
+    return HingeLatencyModel(rng.uniform(0, 0.05), knots, tuple(rng.uniform(0, 1e-3) for _ in knots),
+                             rng.uniform(0, 1e-6), rng.uniform(0, 1e-3), rng.choice([0.0, 0.004]),
+                             rng.choice([0.0, 1e-8]))
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_predict_many_agrees_with_predict(seed):
     # The allocator prices a whole curve of draft totals at once (predict_many); every single
     # question goes through predict. Random knots (unsorted too), slopes and shapes.
     rng = random.Random(seed)
-    knots = tuple(rng.sample([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0], rng.randint(1, 8)))
-    model = HingeLatencyModel(rng.uniform(0, 0.05), knots, tuple(rng.uniform(0, 1e-3) for _ in knots),
-                              rng.uniform(0, 1e-6), rng.uniform(0, 1e-3), rng.choice([0.0, 0.004]),
-                              rng.choice([0.0, 1e-8]))
+    model = random_model(rng)
     num_seqs = rng.randint(1, 64)
     tokens = np.arange(0, 600)
     context = tokens * 3 + rng.randint(0, 10_000)
@@ -96,10 +101,7 @@ def test_predict_added_is_predict_many_in_plain_python(seed):
     # The planner's short curves (a base step plus 0..count drafts) are priced in plain Python;
     # they must be the very floats numpy gives, so no decision depends on which path ran.
     rng = random.Random(seed)
-    knots = tuple(rng.sample([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0], rng.randint(1, 8)))
-    model = HingeLatencyModel(rng.uniform(0, 0.05), knots, tuple(rng.uniform(0, 1e-3) for _ in knots),
-                              rng.uniform(0, 1e-6), rng.uniform(0, 1e-3), rng.choice([0.0, 0.004]),
-                              rng.choice([0.0, 1e-8]))
+    model = random_model(rng)
     for _ in range(50):
         base = StepShape(rng.randint(1, 64), rng.randint(0, 300), rng.randint(0, 20_000))
         count = rng.randint(0, 200)
