@@ -23,3 +23,8 @@ class StaticPolicy:
 
     def choose(self, state: PolicyState) -> list[int]:
         return state.capped(self.k)
+
+    def may_pay(self, state: PolicyState) -> bool:
+        """The planner's screen (controller.py ``may_speculate``): ``static:0`` never drafts, so
+        its steps need no lookup and no decision (as the engine's own SD off)."""
+        return self.k > 0 and state.max_k > 0

@@ -735,6 +735,16 @@ def test_planner_screens_out_steps_where_no_draft_could_pay():
                 assert planner.decide(view(n)) == [0] * n, (latency, n)
 
 
+def test_static_zero_is_screened_out_and_static_k_is_not():
+    """static:0 under the planner looks nothing up (as the engine's SD off): its screen says no
+    for every step shape; static:K says yes wherever a draft may be asked for."""
+    for n in (1, 4, 32):
+        assert Planner(make_policy("static:0"), None).may_speculate(outline_of(view(n))) is False
+        assert Planner(make_policy("static:2"), None).may_speculate(outline_of(view(n))) is True
+        assert Planner(make_policy("static:2"), None).may_speculate(outline_of(view(n, max_k=0))) is False
+        assert Planner(make_policy("static:0"), None).decide(view(n)) == [0] * n
+
+
 def test_planner_screen_reuses_a_yes_for_a_few_steps_and_never_a_no():
     """A yes for a step shape is believed for the next ``screen_reuse_steps`` screens (the
     policy's search is not rerun where drafts pay, which is where it is pure cost); a no is asked
