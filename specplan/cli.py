@@ -562,6 +562,7 @@ def train_draft_cmd(
     seed: Annotated[int, typer.Option(help="Seed for the prompt split, batches and initialisation.")] = 0,
     stop_after: Annotated[Optional[str], typer.Option(help="Stop after a stage: data | features.")] = None,
     data_minutes: Annotated[Optional[float], typer.Option(help="Generate responses for at most this long (keeps what exists, partial answers too).")] = None,
+    minutes: Annotated[Optional[float], typer.Option(help="Budget for the whole run, data and training (a resumed run counts what it spent): the data stage gets a third unless --data-minutes says otherwise, training as many steps as fit (at most --steps).")] = None,
 ) -> None:
     """Train an EAGLE-3 draft head for the model on this machine (self-distillation; resumable)."""
     import shlex
@@ -573,6 +574,7 @@ def train_draft_cmd(
         check.at_least(value, 1, option)
     check.positive(lr, "--lr")
     check.positive(data_minutes, "--data-minutes")
+    check.positive(minutes, "--minutes")
     check.model_path(model)
     if stop_after is not None:
         check.choice(stop_after, ("data", "features"), "--stop-after")
@@ -586,7 +588,7 @@ def train_draft_cmd(
     settings = TrainSettings(out=out, work_dir=work_dir, model=model, seed=seed, quotas=quotas, max_tokens=max_tokens,
                              steps=steps, batch_tokens=batch_tokens, lr=lr, ttt_steps=ttt_steps,
                              draft_vocab_size=draft_vocab, target_layers=target_layers, train_lm_head=train_lm_head,
-                             stop_after=stop_after, data_minutes=data_minutes, command="specplan " + shlex.join(sys.argv[1:]))
+                             stop_after=stop_after, data_minutes=data_minutes, minutes=minutes, command="specplan " + shlex.join(sys.argv[1:]))
     run(settings, echo=typer.echo)
 
 

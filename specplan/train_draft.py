@@ -98,7 +98,19 @@ class TrainSettings:
     # while it generates, instead of a separate forward over every prompt + answer afterwards.
     features_in_generation: bool = True
     data_minutes: float | None = None  # stop generating after this long; keep what exists (partial answers too)
+    # The whole run's budget in minutes, data and training, as the work folder's ledger counts
+    # them (a resumed run's earlier invocations included): the data stage gets ``DATA_SHARE`` of
+    # it unless ``data_minutes`` says otherwise, training as many steps as fit in the rest (at
+    # most ``steps``), its learning-rate schedule sized to them (``steps_that_fit``).
+    minutes: float | None = None
     command: str = ""
+
+
+# With a budget (``TrainSettings.minutes``): the data stage's share, and how many steps are timed
+# before the rest of training is sized (the first steps include warm-up allocations).
+DATA_SHARE = 1 / 3
+TIMED_STEPS = 8
+EXPORT_MARGIN_S = 30.0  # kept beside the held-out evaluation's estimate: writing the head, slack
 
 
 # ---- 1. data ------------------------------------------------------------------------------------
@@ -136,13 +148,29 @@ def training_pool(tokenizer, quotas: dict, heldout_fraction: float, seed: int) -
     return [s[i] for i in range(max(map(len, per_source))) for s in per_source if i < len(s)]
 
 
+def ledger(work_dir: Path) -> dict[str, float]:
+    """Minutes spent per stage so far in this work folder (``spend``)."""
+    path = work_dir / "minutes.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def steps_that_fit(step: int, most: int, seconds_per_step: float, seconds_left: float, reserve_s: float) -> int:
+    """The last step a budgeted training can plan for: ``step`` done, each next one taking
+    ``seconds_per_step``, ``reserve_s`` kept for the held-out evaluation and the export, never
+    more than ``most`` nor fewer than ``step``.
+
+    Worked example: 8 steps done at 4 s each, 3,600 s left, 120 s reserved: (3,600 - 120) / 4 =
+    870 more, so 878 (or ``most`` if that is fewer)."""
+    more = int(max(0.0, seconds_left - reserve_s) // max(seconds_per_step, 1e-9))
+    return max(step, min(most, step + more))
+
+
 def spend(work_dir: Path, stage: str, minutes: float) -> dict[str, float]:
     """Add ``minutes`` to a stage's wall time in the work folder's ledger (``minutes.json``) and
     return the ledger: a run resumed over several invocations reports what it cost in all."""
-    path = work_dir / "minutes.json"
-    spent = json.loads(path.read_text()) if path.exists() else {}
+    spent = ledger(work_dir)
     spent[stage] = round(spent.get(stage, 0.0) + minutes, 2)
-    path.write_text(json.dumps(spent) + "\n")
+    (work_dir / "minutes.json").write_text(json.dumps(spent) + "\n")
     return spent
 
 
@@ -607,7 +635,11 @@ def heldout_acceptance(head: HeadModule, feats: dict, seqs: list[_Seq], target_r
 
 
 def train_head(loaded, settings: TrainSettings, feats: dict, records: list[dict], layers: tuple[int, ...],
-               draft_ids: torch.Tensor) -> tuple[HeadModule, dict]:
+               draft_ids: torch.Tensor, deadline: float | None = None) -> tuple[HeadModule, dict]:
+    """``settings.steps`` optimizer steps, or with a ``deadline`` (a ``time.perf_counter()``
+    value) as many as fit before it: the first ``TIMED_STEPS`` are timed, then the plan (and the
+    cosine schedule over it) is cut to what fits with the held-out evaluation after it, and cut
+    again if the steps slow down. The result's ``steps`` is how many ran in all."""
     from specplan.engine.model.transformer import Model
 
     torch.manual_seed(settings.seed)
@@ -634,11 +666,16 @@ def train_head(loaded, settings: TrainSettings, feats: dict, records: list[dict]
         step = state["step"]
         torch.set_rng_state(state["rng"])
 
+    planned = settings.steps  # the schedule's length: cut to what fits under a deadline
+    # The held-out evaluation runs the head forward (no backward) over the held-out tokens: about
+    # half a training step per batch of them, kept in reserve with a margin for the export.
+    heldout_batches = math.ceil(sum(s.length for s in seqs if s.split == "heldout") / settings.batch_tokens)
+
     def lr_at(s: int) -> float:
-        warm = max(1, min(20, settings.steps // 10))
+        warm = max(1, min(20, planned // 10))
         if s < warm:
             return settings.lr * (s + 1) / warm
-        frac = (s - warm) / max(1, settings.steps - warm)
+        frac = (s - warm) / max(1, planned - warm)
         return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
     def batches_of(epoch: int) -> list[list[int]]:
@@ -646,9 +683,10 @@ def train_head(loaded, settings: TrainSettings, feats: dict, records: list[dict]
         return [[train_idx[i] for i in g] for g in groups]
 
     per_epoch = len(batches_of(0))
+    first_step, t_first = step, time.perf_counter()
     with _progress() as bar:
         task = bar.add_task("train: head", total=settings.steps, completed=step, info="")
-        while step < settings.steps:
+        while step < planned:
             epoch, within = divmod(step, per_epoch)
             idx = batches_of(epoch)[within]
             tokens, captured, target_logits, answer, loss_mask, in_prompt = _gather(feats, seqs, idx, target_rows, draft_ids)
@@ -666,15 +704,23 @@ def train_head(loaded, settings: TrainSettings, feats: dict, records: list[dict]
                 m = loss_mask & (answer >= 0)
                 acc0 = float(((draft_ids[logits[0].argmax(-1)] == answer) & m).sum() / m.sum().clamp(min=1))
             step += 1
+            if deadline is not None and step - first_step >= TIMED_STEPS:
+                now = time.perf_counter()
+                per_step_s = (now - t_first) / (step - first_step)
+                fits = steps_that_fit(step, settings.steps, per_step_s, deadline - now,
+                                      EXPORT_MARGIN_S + 0.5 * per_step_s * heldout_batches)
+                if fits < planned:
+                    planned = fits
+                    bar.update(task, total=planned)
             bar.update(task, advance=1, info=f"epoch {epoch} loss {float(loss.detach()):.3f} "
                                              f"({', '.join(f'{x:.2f}' for x in per_step)}) top-1 {acc0:.2f}")
-            if step % settings.checkpoint_every == 0 or step == settings.steps:
+            if step % settings.checkpoint_every == 0 or step == planned:
                 trainable = {k: v for k, v in head.state_dict().items()}
                 torch.save({"head": trainable, "opt": opt.state_dict(), "step": step, "rng": torch.get_rng_state()},
                            state_path.with_suffix(".tmp"))
                 state_path.with_suffix(".tmp").replace(state_path)
     result = heldout_acceptance(head, feats, seqs, target_rows, draft_ids, settings.ttt_steps, settings.batch_tokens)
-    return head, result
+    return head, {**result, "steps": step}
 
 
 # ---- 4. the whole pipeline ------------------------------------------------------------------------
@@ -692,6 +738,13 @@ def run(settings: TrainSettings, echo=print) -> Path | None:
     if list(layers) != sorted(set(layers)) or not all(0 <= i < c.num_layers for i in layers):
         raise ValueError(f"--layers must be ascending layer ids in [0, {c.num_layers}), got {list(layers)}")
     settings = dataclasses.replace(settings, target_layers=tuple(layers))
+    if settings.minutes is not None:
+        left = settings.minutes - sum(ledger(settings.work_dir).values())
+        if left <= 0:
+            raise ValueError(f"the work folder {settings.work_dir} has already spent {settings.minutes - left:.1f} of the "
+                             f"{settings.minutes:g} minutes of --minutes; raise --minutes or use a new --work-dir")
+        if settings.data_minutes is None:
+            settings = dataclasses.replace(settings, data_minutes=DATA_SHARE * left)
     pool = training_pool(loaded.tokenizer, settings.quotas, settings.heldout_fraction, settings.seed)
     records = generate_responses(loaded, settings, pool)
     num_tokens = sum(len(r["response_ids"]) for r in records)
@@ -706,7 +759,12 @@ def run(settings: TrainSettings, echo=print) -> Path | None:
         return None
     draft_ids = draft_vocabulary(records, c.vocab_size, settings.draft_vocab_size)
     t_train = time.perf_counter()
-    head, result = train_head(loaded, settings, feats, records, layers, draft_ids)
+    deadline = None
+    if settings.minutes is not None:
+        left = settings.minutes - sum(ledger(settings.work_dir).values())
+        deadline = t_train + 60 * left
+        echo(f"budget: {left:.1f} of {settings.minutes:g} minutes left for training (at most {settings.steps} steps)")
+    head, result = train_head(loaded, settings, feats, records, layers, draft_ids, deadline)
     spent = spend(settings.work_dir, "train", (time.perf_counter() - t_train) / 60)
     minutes = (time.perf_counter() - t_start) / 60
     echo(f"held-out acceptance (greedy, k={settings.ttt_steps}, {result['proposals']} proposals): "
@@ -743,7 +801,8 @@ def export_head(loaded, settings: TrainSettings, head: HeadModule, draft_ids: to
                       "generation": "the target itself, greedy, specplan engine",
                       "excluded": f"load_workload(w, n, seed=0) for n in {list(EXCLUDED_SAMPLES)} (what evaluation samples)",
                       "heldout_ids": [r["id"] for r in records if r["split"] == "heldout"]},
-             "training": {"steps": settings.steps, "batch_tokens": settings.batch_tokens, "lr": settings.lr,
+             "training": {"steps": result.get("steps", settings.steps), "max_steps": settings.steps,
+                          "budget_minutes": settings.minutes, "batch_tokens": settings.batch_tokens, "lr": settings.lr,
                           "ttt_steps": settings.ttt_steps, "seed": settings.seed,
                           "train_lm_head": settings.train_lm_head},
              "heldout_acceptance": result}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -303,6 +304,31 @@ def test_train_draft_stages_write_a_head_the_engine_loads(model, tmp_path):
     llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 3, "draft_head": str(path)})
     params = SamplingParams(max_tokens=24, temperature=0.0)
     assert [o.token_ids for o in llm.generate(ps, params)] == [o.token_ids for o in outs]
+
+
+def test_a_training_budget_sizes_the_steps_to_the_time_left(model, tmp_path, monkeypatch):
+    """With a deadline, training times its first steps, then plans (and schedules) only the steps
+    that fit before it: far fewer than asked for, more than the timed ones, and done in time."""
+    import specplan.train_draft as td
+
+    assert td.steps_that_fit(8, 10_000, 4.0, 3600.0, 120.0) == 878  # the docstring's example
+    assert td.steps_that_fit(8, 500, 4.0, 3600.0, 120.0) == 500  # never more than asked
+    assert td.steps_that_fit(8, 10_000, 4.0, 100.0, 120.0) == 8  # out of time: stop now
+    loaded = loaded_from_hf(model)
+    ps = prompts(96, 8, seed=22)
+    outs = tiny_llm(model).generate(ps, SamplingParams(max_tokens=24, temperature=0.0))
+    records = [{"source": "t", "id": str(i), "split": "heldout" if i < 2 else "train", "prompt_ids": p,
+                "response_ids": o.token_ids} for i, (p, o) in enumerate(zip(ps, outs))]
+    settings = td.TrainSettings(out=tmp_path / "head", work_dir=tmp_path, steps=1_000_000, batch_tokens=128,
+                                max_len=64, checkpoint_every=10_000, draft_vocab_size=48, command="test")
+    feats = td.extract_features(loaded, settings, records, LAYERS)
+    draft_ids = td.draft_vocabulary(records, 96, 48)
+    monkeypatch.setattr(td, "EXPORT_MARGIN_S", 0.0)
+    t0 = time.perf_counter()
+    _, result = td.train_head(loaded, settings, feats, records, LAYERS, draft_ids, deadline=t0 + 4.0)
+    assert td.TIMED_STEPS < result["steps"] < 1_000_000
+    assert time.perf_counter() - t0 < 4.0 + 1.0
+    assert torch.load(tmp_path / "train_state.pt", weights_only=False)["step"] == result["steps"]  # saved at the end
 
 
 def test_features_recorded_during_generation_equal_a_second_pass(model, tmp_path):
