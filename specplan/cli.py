@@ -488,7 +488,7 @@ def evaluate_cmd(
     min_requests: Annotated[int, typer.Option(help="Requests per cell at least (run at concurrency B).")] = 4,
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached or a fresh quick one).")] = None,
     null_control: Annotated[bool, typer.Option(help="Also run SD off a second time: how far a cell reads from itself.")] = True,
-    clairvoyant: Annotated[bool, typer.Option(help="Also run a decider that knows each step's accepted lengths: the ceiling of per-request k (ngram only).")] = True,
+    clairvoyant: Annotated[bool, typer.Option(help="Also run a decider that knows each step's accepted lengths: the ceiling of per-request k.")] = True,
     out: Annotated[Path, typer.Option(help="Report folder.")] = Path("reports"),
     quantize: Quantize = "none",
     beliefs: Beliefs = True,

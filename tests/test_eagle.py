@@ -496,3 +496,25 @@ def test_the_profiler_times_a_head_pass_per_batch_size(model, head_dir):
     cost = measure_head_cost(loaded, batch_sizes=(1, 4), context=16, repeats=2, head_dir=head_dir)
     assert cost is not None and cost.per_pass_s + cost.per_token_s * 4 > 0
     assert measure_head_cost(loaded, batch_sizes=(1,), context=16, repeats=1) is None  # none ships for it
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "chain"])
+def test_the_clairvoyant_ceiling_with_a_head_drafts_only_what_is_accepted(model, head_dir, proposer):
+    """The evaluation's clairvoyant decider for a model-drafted proposer: a run at max_k records
+    the accepted lengths (clairvoyant.py ``AcceptanceRecorder``), and the run asking for exactly
+    those visits the same positions, so every draft it verifies is accepted and it accepts as
+    many as the recording run did, in fewer drafts; the tokens are SD off's throughout."""
+    from specplan.bench.evaluate import clairvoyant_for, run_cell
+    from specplan.engine import FixedDecider
+
+    llm = tiny_llm(model, speculative_config={"proposer": proposer, "k": 4, "max_k": 4, "draft_head": str(head_dir)})
+    engine, ps, n = llm.engine, prompts(96, 6, seed=5), 24
+    off = run_cell(engine, ps, FixedDecider(0), n, concurrency=3)
+    reference, make_clairvoyant = clairvoyant_for(engine, ps, n, concurrency=3)
+    recorded = engine.stats
+    assert reference == off["outputs"] and recorded.num_accepted_tokens > 0
+    blind_drafts, accepted = recorded.num_draft_tokens, recorded.num_accepted_tokens
+    seen = run_cell(engine, ps, make_clairvoyant(), n, concurrency=3)
+    assert seen["outputs"] == off["outputs"]
+    assert seen["acceptance"] == 1.0 and engine.stats.num_accepted_tokens == accepted
+    assert engine.stats.num_draft_tokens == accepted < blind_drafts

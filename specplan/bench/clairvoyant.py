@@ -21,11 +21,23 @@ as does [1, 5] in the prompt, so the n-gram proposer drafts what came after that
 reference continues [7, 2]: 1 draft is accepted, and the decider asks for k = 1 there. At p = 2 the
 tokens end with "5 7", whose earlier occurrence was followed by [9, 5, 7]; the reference continues
 [2]: k = 0.
+
+Proposers whose drafts cannot be replayed offline (a draft head's depend on the target's hidden
+states, the chain's on both, suffix decoding's on what other requests emitted before) get the same
+table from a run instead (``AcceptanceRecorder``): every request asks for max_k drafts each step,
+and what the target accepted is noted per request and output length. The clairvoyant run then
+visits exactly the positions that run did: a request at output length p that accepts a of its
+drafts moves to p + a + 1 in both (asking for exactly a, all of them accepted, plus the bonus
+token), so every step meets the same requests at the same lengths, and the proposer sees the same
+tokens (a head's j-th draft is chained on the drafts before it, never on how many follow).
+Worked example: max_k = 4, a request at p = 10 accepts 2 of 4 drafts, then at p = 13 accepts 0:
+the table reads [10] = 2, [13] = 0; the clairvoyant run asks for 2 at p = 10 (both accepted, the
+bonus makes 3 tokens: p = 13) and for 0 at p = 13. A position the run never visited reads 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 
 from specplan.engine import Proposer, SamplingParams, Sequence, StepRecord, StepView
@@ -95,3 +107,31 @@ class ClairvoyantDecider:
 
     def observe(self, record: StepRecord) -> None:
         pass
+
+
+@dataclass
+class AcceptanceRecorder:
+    """A decider that asks every request for ``k`` drafts each step and records, per request and
+    output length, how many the target accepted (``accepted[i][p]``; 0 where the run did not step
+    from p): the clairvoyant table for any proposer (module doc). ``index_of`` maps a request id to
+    its i; ``max_tokens`` sizes the rows."""
+
+    k: int
+    index_of: Callable[[str], int]
+    num_requests: int
+    max_tokens: int
+    accepted: list[list[int]] = field(init=False)
+    _at: dict[int, tuple[int, int]] = field(init=False, default_factory=dict)  # seq_id -> (i, p) this step
+
+    def __post_init__(self) -> None:
+        self.accepted = [[0] * self.max_tokens for _ in range(self.num_requests)]
+
+    def decide(self, view: StepView) -> list[int]:
+        self._at = {rv.seq_id: (self.index_of(rv.request_id), rv.num_output_tokens) for rv in view.requests}
+        return [self.k] * len(view.requests)
+
+    def observe(self, record: StepRecord) -> None:
+        for rr in record.requests:
+            at = self._at.get(rr.seq_id)
+            if at is not None and at[1] < self.max_tokens:
+                self.accepted[at[0]][at[1]] = rr.num_accepted

@@ -21,7 +21,7 @@ policy that changed nothing would score in that cell.
 
 And how far any per-request policy could get: the clairvoyant decider (specplan/bench/clairvoyant.py)
 knows each step's accepted drafts in advance and asks for exactly those. It is the ceiling the
-policies are read against (n-gram only: its drafts depend on nothing but the request's tokens).
+policies are read against, for every proposer (a run at max_k records the accepted lengths first).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 from rich.progress import Progress
 
-from specplan.bench.clairvoyant import SELF_CONTAINED_PROPOSERS, ClairvoyantDecider, Replayed, replay
+from specplan.bench.clairvoyant import AcceptanceRecorder, ClairvoyantDecider, Replayed, replay
 from specplan.bench.workloads import load_workload
 from specplan.engine import CacheConfig, EngineConfig, FixedDecider, LLMEngine, LoadedModel, Proposer, SamplingParams, SchedulerConfig, SpecConfig, make_proposer
 from specplan.planner.controller import Planner
@@ -135,10 +135,12 @@ def held_out_prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
 
 
 def clairvoyant_for(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int):
-    """(the prompts' outputs with SD off, a maker of clairvoyant deciders for runs of them)."""
-    reference, replayed = replayed_reference(engine, prompts, max_tokens, concurrency)
-    accepted = [[r.accepted for r in steps] for steps in replayed]
-    return reference, lambda: ClairvoyantDecider(accepted, _request_index)
+    """(the prompts' outputs, a maker of clairvoyant deciders for runs of them): one run in which
+    every request asks for the engine's max_k drafts each step records what the target accepts
+    (clairvoyant.py ``AcceptanceRecorder``; any proposer, a draft head's too)."""
+    recorder = AcceptanceRecorder(engine.config.spec.max_k, _request_index, len(prompts), max_tokens)
+    reference = run_cell(engine, prompts, recorder, max_tokens, concurrency=concurrency)["outputs"]
+    return reference, lambda: ClairvoyantDecider(recorder.accepted, _request_index)
 
 
 def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", workloads=WORKLOADS,
@@ -152,9 +154,8 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
     at B = 1 a single 64-token request would make the cell about one prompt (and about 1.5 s of a
     noisy machine).
 
-    ``clairvoyant``: also run the clairvoyant decider (n-gram only; skipped for other proposers),
-    which needs each cell's outputs first: one unrecorded SD-off run per cell gives them (and
-    warms the cell up).
+    ``clairvoyant``: also run the clairvoyant decider, which needs each cell's accepted lengths
+    first: one unrecorded run per cell at the engine's max_k gives them (and warms the cell up).
 
     ``beliefs``: a planner/beliefs.py ``BeliefStore`` every policy's planner starts from (read,
     never written); None: the built-in priors (a cold planner per run).
@@ -162,7 +163,6 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
     ``on_cell``: called with every row so far after each cell ends, so an hour-long grid that is
     stopped still leaves the cells it finished (the CLI rewrites its report from it)."""
     engine = _engine(loaded, proposer, max(batch_sizes), draft_layers)
-    clairvoyant = clairvoyant and proposer in SELF_CONTAINED_PROPOSERS
     deciders = [(f"static:{k}", lambda k=k: FixedDecider(k)) for k in static_ks]
     deciders += [(p, lambda p=p: _warm(planner_from_profile(profile, make_policy(p), proposer=proposer, max_k=8),
                                        beliefs))
