@@ -122,7 +122,15 @@ class DraftStop(Protocol):
     adds that many expected tokens to the step, and ``min_gain`` is what one more query token
     costs, in tokens (the step's goodput times its marginal seconds). Worked example: min_gain
     0.3 and confidences 0.9, 0.7, 0.4 read as acceptances 0.85, 0.6, 0.3: the products 0.85,
-    0.51, 0.15 keep two drafts, and the third head pass is the last one run."""
+    0.51, 0.15 keep two drafts, and the third head pass is the last one run.
+
+    ``pass_gain`` (read with ``getattr``, default 0): what one more head pass costs, in tokens.
+    The first pass runs for every request given drafts anyway (it also keeps the head's cache
+    current), so a first draft only has to pay for its query token. A later pass is shared by the
+    requests still drafting, so it runs only while their products so far exceed ``min_gain`` by
+    ``pass_gain`` in all: sum_i max(0, product_i - min_gain) >= pass_gain. Worked example: min_gain
+    0.2, pass_gain 0.25, two requests whose first drafts read 0.5 and 0.3: 0.3 + 0.1 >= 0.25, the
+    second pass runs; had they read 0.3 and 0.25 (0.1 + 0.05), both stop at one draft."""
 
     min_gain: float
 

@@ -15,9 +15,10 @@ the moment the token is drafted and before the target runs. Two pieces turn it i
   stop price is lower still, while one priced too high is verified and corrected down at once;
   and the shipped SmolLM2 head is under-confident (its drafts at confidence 0.3-0.4 were accepted
   46-51% of the time, at 0.6-0.7 67-82%: reports/README.md#planner-measurements).
-* ``ConfidenceStop`` is the engine's ``DraftStop`` (engine/decider.py): that table and
-  ``min_gain``, the tokens one more query token must be expected to add to pay for itself. The
-  planner sets ``min_gain`` each step from the step the policy chose (``marginal_token_price``).
+* ``ConfidenceStop`` is the engine's ``DraftStop`` (engine/decider.py): that table, ``min_gain``,
+  the tokens one more query token must be expected to add to pay for itself, and ``pass_gain``,
+  what one more head pass costs in tokens. The planner sets both each step from the step the
+  policy chose (``marginal_draft_prices``).
 
 Worked example of the calibration: bucket [0.8, 0.9) with prior strength 4 starts at 0.9. After
 10 judged drafts of which 6 were accepted it reads (4 * 0.9 + 6) / (4 + 10) = 0.69.
@@ -125,9 +126,9 @@ class ConfidenceCalibration:
         self.accepted = [x * scale for x in accepted]
         self._table = None
 
-    def stop(self, min_gain: float) -> "ConfidenceStop":
-        """The engine's DraftStop for this step: the current table and ``min_gain``."""
-        return ConfidenceStop(self.edges, self.table(), min_gain)
+    def stop(self, min_gain: float, pass_gain: float = 0.0) -> "ConfidenceStop":
+        """The engine's DraftStop for this step: the current table, ``min_gain`` and ``pass_gain``."""
+        return ConfidenceStop(self.edges, self.table(), min_gain, pass_gain)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ class ConfidenceStop:
 
     edges: tuple[float, ...]
     acceptance: tuple[float, ...]  # per bucket
-    min_gain: float
+    min_gain: float  # tokens one more query token costs
+    pass_gain: float = 0.0  # tokens one more head pass costs (engine/decider.py ``DraftStop``)
 
     def accept_probability(self, confidence: float) -> float:
         return self.acceptance[bucket_of(confidence, self.edges)]

@@ -25,7 +25,7 @@ from .calibration import AcceptanceCalibration, CalibrationConfig
 from .confidence import ConfidenceCalibration, ConfidenceConfig, ConfidenceStop
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
 from .filler import filler
-from .goodput import draft_increment, marginal_token_price, priced_seconds
+from .goodput import draft_increment, marginal_draft_prices, priced_seconds
 from .policy import Outcome, Policy, PolicyState, RequestState, Roofline, StepPricing
 from .timing import StepTimingLearner, TimingConfig
 
@@ -330,15 +330,16 @@ class Planner:
         """With drafts chosen for a model proposer: each request it drafts for may draft up to its
         cap, and stops at the first draft whose chance of being emitted (the head's calibrated
         confidence, times the drafts' before it) is below what one more query token costs in this
-        step (``marginal_token_price``). Lookup-served requests (a chain's) keep the chosen k: their
+        step, and a pass after the first runs only while the drafts it may yield pay for it
+        (``marginal_draft_prices``). Lookup-served requests (a chain's) keep the chosen k: their
         drafts are all verified, none is stopped. Without room under the SLA or the step's draft
         budget for the deeper drafts, the chosen k stay as they are."""
         cost = state.cost_model()
-        price = marginal_token_price([r.acceptance for r in state.requests], ks, cost)
+        token, pass_ = marginal_draft_prices([r.acceptance for r in state.requests], ks, cost)
         deeper = [r.max_k if k and not r.looked_up else k for r, k in zip(state.requests, ks)]
         fits = ((state.sla_itl_s is None or cost.seconds(deeper) <= state.sla_itl_s)
                 and (state.draft_budget is None or sum(deeper) <= state.draft_budget))
-        return (deeper if fits else ks), self.confidence.stop(price)
+        return (deeper if fits else ks), self.confidence.stop(token, pass_)
 
     def observe(self, record: StepRecord) -> None:
         proposer = self.proposer or (self.last_state.proposer if self.last_state is not None else "unknown")

@@ -12,8 +12,9 @@ from specplan.engine import RequestRecord, RequestView, StepRecord, StepView
 from specplan.planner import Planner, PlannerConfig
 from specplan.planner.beliefs import capture, restore
 from specplan.planner.confidence import BUCKET_EDGES, ConfidenceCalibration, ConfidenceConfig, bucket_of
-from specplan.planner.goodput import marginal_token_price
+from specplan.planner.goodput import marginal_draft_prices
 from specplan.planner.policy import PolicyState
+from specplan.profiler.latency_model import DraftCost
 from specplan.policies import make_policy
 
 from conftest import RidgeLatency
@@ -81,15 +82,21 @@ def test_calibration_state_round_trips_with_its_weight_capped():
         fresh.load_state({**cal.state(), "accepted": [5.0] * len(BUCKET_EDGES)}, 10.0)
 
 
-def test_marginal_token_price_is_goodput_times_the_seconds_one_more_draft_adds():
-    planner = Planner(make_policy("goodput"), FLAT, proposer="eagle")
-    planner.decide(view(1))
+def test_draft_prices_split_one_more_draft_into_its_query_token_and_its_pass():
+    """A deeper draft on the deepest request costs a query token and a head pass; a draft on a
+    shallower request only the token (its pass runs anyway): the two prices tell them apart."""
+    planner = Planner(make_policy("goodput"), FLAT, proposer="eagle",
+                      draft_cost=DraftCost(per_pass_s=0.002, per_token_s=0.0001))
+    planner.decide(view(2))
     state: PolicyState = planner.last_state
     cost = state.cost_model()
     est = [r.acceptance for r in state.requests]
-    price = marginal_token_price(est, [3], cost)
-    want = est[0].expected_emitted(3) / cost.charged_seconds([3]) * (cost.charged_seconds([4]) - cost.charged_seconds([3]))
-    assert price == pytest.approx(want) and 0 < price < 1
+    token, pass_ = marginal_draft_prices(est, [3, 1], cost)
+    goodput = (est[0].expected_emitted(3) + est[1].expected_emitted(1)) / cost.charged_seconds([3, 1])
+    deeper = goodput * (cost.charged_seconds([4, 1]) - cost.charged_seconds([3, 1]))  # token and pass
+    shallower = goodput * (cost.charged_seconds([3, 2]) - cost.charged_seconds([3, 1]))  # token only
+    assert token == pytest.approx(shallower) and token + pass_ == pytest.approx(deeper)
+    assert pass_ == pytest.approx(goodput * 0.002) and 0 < token < pass_ < 1
 
 
 def test_goodput_planner_hands_a_stop_rule_to_a_model_proposer_and_lets_drafts_run_deeper():

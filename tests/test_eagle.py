@@ -428,6 +428,24 @@ def test_confidence_stop_is_lossless_and_drafts_where_the_head_is_sure(model, he
         assert drafted[1.01] == 0
 
 
+def test_a_pass_after_the_first_runs_only_while_the_drafts_pay_for_it(model, head_dir):
+    """DraftStop.pass_gain: the first pass runs for every request given drafts; a later one only
+    while sum_i max(0, product_i - min_gain) >= pass_gain. Free passes draft to k, a pass dearer
+    than any draft can pay for stops every request at its first draft; lossless either way."""
+    ps = prompts(96, 6, seed=4)
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    expected = [o.token_ids for o in tiny_llm(model).generate(ps, params)]
+    deepest = {}
+    for pass_gain in (0.0, 0.5, 100.0):
+        decider = _StoppingDecider(0.0)
+        decider.pass_gain = pass_gain
+        llm = tiny_llm(model, speculative_config={"proposer": "eagle", "k": 6, "draft_head": str(head_dir)},
+                       decider=decider)
+        assert [o.token_ids for o in llm.generate(ps, params)] == expected
+        deepest[pass_gain] = max(r.num_proposed for rec in decider.records for r in rec.requests)
+    assert deepest[0.0] == 6 and deepest[100.0] == 1 and 1 <= deepest[0.5] <= 6
+
+
 def test_chain_shows_the_decider_which_requests_its_lookup_serves(model, head_dir):
     """Before k is decided the chain's lookup runs: a request with a match of >= min_match tokens
     (lookup drafts) shows them as available (its cap is what exists), the others (head drafts)

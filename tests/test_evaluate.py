@@ -309,6 +309,10 @@ def test_summary_and_report_show_the_clairvoyant_ceiling(tmp_path):
     text = render_evaluation(df, tmp_path, "test").read_text()
     assert "| goodput | clairvoyant |" in text
     assert f"reaches {(22 * 104) ** 0.5 / 40:.3f}x the best single static k" in text
+    assert "gets far past it" in text and "not a ceiling" not in text
+    # with a draft model, what asks for exactly the accepted drafts is named a reference, not a ceiling
+    chain = render_evaluation(df.assign(proposer="chain"), tmp_path / "chain", "test").read_text()
+    assert "not a ceiling" in chain and "gets far past it" not in chain
 
 
 def test_resampled_geomean_ratios_keep_pairs_and_rechoose_the_best_static():

@@ -453,7 +453,9 @@ class EagleProposer:
     def propose(self, seqs: list[Sequence], k: list[int], stop: DraftStop | None = None) -> DraftTokens:
         """Up to k[i] drafts for sequence i, one head pass per draft position for all the
         sequences still drafting; with ``stop``, sequence i stops at the first draft whose chance
-        of being accepted with all before it falls below ``stop.min_gain`` (that draft dropped)."""
+        of being accepted with all before it falls below ``stop.min_gain`` (that draft dropped), and
+        a pass after the first runs only while the drafting sequences' chances pay for it
+        (engine/decider.py ``DraftStop``)."""
         t0 = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in seqs]
         reach = [1.0] * len(seqs)  # P(drafts so far all accepted), by stop's calibration
@@ -473,6 +475,7 @@ class EagleProposer:
             items.append(ScheduledSeq(seq, seq.token_ids[start + 1:c + 1], start, 1))
             inputs.append(rows)
         features = torch.cat(inputs) if inputs else None  # [N, H]
+        pass_gain = getattr(stop, "pass_gain", 0.0)
         caught_up = list(active)  # their head K/V is current after the first pass, drafts or not
         passes = 0
         while items:
@@ -493,6 +496,9 @@ class EagleProposer:
                 if probs is not None and not seqs[i].params.greedy:
                     qs[i].append(probs[row])
             keep = [row for row, i in enumerate(active) if i not in stopped and len(drafts[i]) < k[i]]
+            if stop is not None and keep and (
+                    sum(max(0.0, reach[active[row]] - stop.min_gain) for row in keep) < pass_gain):
+                keep = []  # the next pass would cost more than the drafts it could add
             features = prenorm[last][keep]  # [len(keep), H]: each step chains on the head's own h
             active = [active[row] for row in keep]
             items = [ScheduledSeq(seqs[i], [drafts[i][-1]], seqs[i].num_computed_tokens - 1 + len(drafts[i]), 1)

@@ -33,6 +33,10 @@ tokens (a head's j-th draft is chained on the drafts before it, never on how man
 Worked example: max_k = 4, a request at p = 10 accepts 2 of 4 drafts, then at p = 13 accepts 0:
 the table reads [10] = 2, [13] = 0; the clairvoyant run asks for 2 at p = 10 (both accepted, the
 bonus makes 3 tokens: p = 13) and for 0 at p = 13. A position the run never visited reads 0.
+For a draft model, asking for exactly the accepted drafts is not always the step's best choice:
+its passes run one per position up to the deepest request's k, paid by the whole batch, so above
+B = 1 one request's long accepted run can cost the step more than it brings. There the decider is
+a reference (every draft it verifies is accepted), not a ceiling.
 """
 
 from __future__ import annotations
