@@ -21,7 +21,8 @@ policy that changed nothing would score in that cell.
 
 And how far any per-request policy could get: the clairvoyant decider (specplan/bench/clairvoyant.py)
 knows each step's accepted drafts in advance and asks for exactly those. It is the ceiling the
-policies are read against, for every proposer (a run at max_k records the accepted lengths first).
+policies are read against, for every proposer (a run at max_k records the accepted lengths first;
+with a draft model it is a reference rather than a bound: clairvoyant.py).
 """
 
 from __future__ import annotations
