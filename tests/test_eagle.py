@@ -13,6 +13,7 @@ import torch
 
 from conftest import assert_follows_marginals, loaded_from_hf, tiny_hf_model, tiny_llm
 from specplan.engine import SamplingParams
+from specplan.engine.config import SpecConfig
 from specplan.engine.batch import TokenBatch
 from specplan.engine.model.transformer import Model
 from specplan.engine.model_runner import allocate_kv_cache, layer_caches
@@ -475,7 +476,7 @@ def test_chain_shows_the_decider_which_requests_its_lookup_serves(model, head_di
     for view, rec in zip(decider.views, decided):
         for rv, rr in zip(view.requests, rec.requests):
             assert rr.match_length == rv.match_length
-            if (rv.match_length or 0) >= 1 and rv.available_drafts:  # chain_min_match 1: any match
+            if (rv.match_length or 0) >= SpecConfig().chain_min_match and rv.available_drafts:
                 served += 1
                 assert rv.max_k <= rv.available_drafts and rr.k <= rv.available_drafts
             else:

@@ -2,9 +2,9 @@
 
 Per request and per step: a lookup whose match is at least ``min_match`` tokens long takes the
 request (its drafts cost nothing, and a longer match is accepted far more often:
-reports/README.md#engine-measurements); every other request drafts with the head. The default,
-1, gives the head only the requests the lookup has nothing for: with the shipped SmolLM2 head even
-a 1-token match's lookup drafts were worth more than the head's (reports/eagle). The head's
+reports/README.md#engine-measurements); every other request drafts with the head. The engine's
+default, 2 (engine/config.py ``SpecConfig.chain_min_match``), leaves 1-token matches to the head:
+the shipped SmolLM2 head's first draft is accepted about twice as often as theirs (reports/eagle). The head's
 features keep arriving for all requests (``observe_target``), so it catches up whenever a request
 comes back to it.
 """
@@ -28,7 +28,7 @@ class ChainProposer:
     proposes_prefixes = False  # the head's share costs a forward per draft token
     stops_early = True  # the head's drafts take the decider's DraftStop (lookup drafts are free: kept)
 
-    def __init__(self, lookup: NgramProposer, head: EagleProposer, min_match: int = 1):
+    def __init__(self, lookup: NgramProposer, head: EagleProposer, min_match: int = 2):
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1, got {min_match}")
         self.lookup = lookup
