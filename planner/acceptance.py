@@ -181,8 +181,9 @@ DEFAULT_PRIORS: Mapping[str, ProposerPrior] = MappingProxyType({
     # evaluation's MT-Bench prompts (reports/eagle: about 0.35 for the first draft and for each
     # next one); a better head moves the beliefs up within a few steps.
     "eagle": _HEAD_PRIOR,
-    # The chain (engine/proposers/chain.py): lookup drafts wherever the lookup matched (priced as
-    # the n-gram's, by match length), the head's where it found nothing (bucket None).
+    # The chain (engine/proposers/chain.py): lookup drafts where the lookup matched enough tokens
+    # (priced as the n-gram's, by match length), the head's elsewhere (the chain reports their
+    # match length as 0: bucket None, the head's belief).
     "chain": dataclasses.replace(_HEAD_PRIOR, by_match_length=_NGRAM_BY_MATCH),
 })
 

@@ -450,8 +450,8 @@ def test_a_pass_after_the_first_runs_only_while_the_drafts_pay_for_it(model, hea
 def test_chain_shows_the_decider_which_requests_its_lookup_serves(model, head_dir):
     """Before k is decided the chain's lookup runs: a request with a match of >= min_match tokens
     (lookup drafts) shows them as available (its cap is what exists), the others (head drafts)
-    show none known; the record's match length is the view's, so the planner learns each source
-    in its own belief."""
+    show none known and a match length of 0 (a 1-token match's drafts would be the head's); the
+    record's match length is the view's, so the planner learns each source in its own belief."""
     class Recording:
         def __init__(self):
             self.views, self.records = [], []
@@ -482,6 +482,7 @@ def test_chain_shows_the_decider_which_requests_its_lookup_serves(model, head_di
             else:
                 head += rv.max_k > 0
                 assert rv.available_drafts is None
+                assert not rv.match_length  # the head's drafts: its belief, not a short match's
     assert served > 0 and head > 0
 
 

@@ -43,19 +43,27 @@ class ChainProposer:
     def observe_target(self, work, captured: torch.Tensor) -> None:
         self.head.observe_target(work, captured)
 
+    def _served(self, looked: DraftTokens) -> tuple[list[bool], list[int]]:
+        """Per request: whether the lookup serves it (a match of >= min_match tokens), and the
+        match length the planner should read: 0 for the head's requests, whose drafts are the
+        head's whatever the lookup matched (a 1-token match's belief is a lookup's, not the head's)."""
+        by_lookup = [bool(t) and m >= self.min_match for t, m in zip(looked.token_ids, looked.match_length)]
+        return by_lookup, [m if served else 0 for m, served in zip(looked.match_length, by_lookup)]
+
     def lookup_ahead(self, seqs: list[Sequence], k: list[int]) -> DraftTokens:
-        """The lookup's drafts for the requests it will serve (a match of >= min_match tokens; []
-        for the head's), and every request's match length (proposers/base.py LooksUpFirst)."""
+        """The lookup's drafts for the requests it will serve ([] for the head's), and their match
+        lengths (0 for the head's) (proposers/base.py LooksUpFirst)."""
         looked = self.lookup.propose(seqs, k)
-        served = [t if m >= self.min_match else [] for t, m in zip(looked.token_ids, looked.match_length)]
-        return DraftTokens(token_ids=served, natural_k=looked.natural_k, match_length=looked.match_length)
+        by_lookup, match_length = self._served(looked)
+        served = [t if b else [] for t, b in zip(looked.token_ids, by_lookup)]
+        return DraftTokens(token_ids=served, natural_k=looked.natural_k, match_length=match_length)
 
     def propose(self, seqs: list[Sequence], k: list[int], stop: DraftStop | None = None) -> DraftTokens:
         """Lookup drafts for requests with a match of >= min_match tokens, head drafts for the
         rest. ``confidence`` holds the head's probabilities, nan for lookup tokens (no probability)."""
         t0 = time.perf_counter()
         looked = self.lookup.propose(seqs, k)
-        by_lookup = [bool(looked.token_ids[i]) and looked.match_length[i] >= self.min_match for i in range(len(seqs))]
+        by_lookup, match_length = self._served(looked)
         head_k = [0 if by_lookup[i] else ki for i, ki in enumerate(k)]
         drafted = self.head.propose(seqs, head_k, stop) if any(head_k) else None
         tokens, confidence, probs = [], [], []
@@ -70,7 +78,7 @@ class ChainProposer:
                 probs.append(drafted.draft_probs[i] if drafted is not None and drafted.draft_probs is not None
                              else None)
         return DraftTokens(token_ids=tokens, draft_probs=probs if any(p is not None for p in probs) else None,
-                           natural_k=looked.natural_k, match_length=looked.match_length, confidence=confidence,
+                           natural_k=looked.natural_k, match_length=match_length, confidence=confidence,
                            seconds=time.perf_counter() - t0, passes=drafted.passes if drafted is not None else 0)
 
     def on_finished(self, seq: Sequence) -> None:
