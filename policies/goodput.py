@@ -258,10 +258,13 @@ class GoodputPolicy:
     # Requests without a verified draft of their own speculate a few at a time while their pool's
     # belief rests on fewer observed request-steps than this (``_slow_start``).
     slow_start_evidence: float = 32.0
+    # With a draft head, let drafts run past the chosen k while the head is sure enough, and stop
+    # where one more draft no longer pays (planner/controller.py ``_confident_drafts``). Off by
+    # default: paired on the Xeon VM with the shipped SmolLM2 head, the chosen k as they are ran
+    # -1 to +6% faster than with the stop in 7 of 8 cells (B = 1 and 4, four workloads;
+    # reports/eagle/README.md#the-confidence-stop-measured-against-no-stop). ``goodput:stop`` turns it on.
+    confidence_stop: bool = False
     requires: ClassVar[frozenset[str]] = frozenset({"latency"})
-    # With a draft head, drafts run past the chosen k while the head is sure enough, and stop where
-    # one more draft no longer pays (planner/controller.py ``_confident_drafts``).
-    stops_on_confidence: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.min_relative_gain < 0:
@@ -277,7 +280,14 @@ class GoodputPolicy:
 
     @property
     def name(self) -> str:
-        return "goodput" if self.min_relative_gain == 0.02 else f"goodput:{self.min_relative_gain:g}"
+        if self.min_relative_gain != 0.02:
+            return f"goodput:{self.min_relative_gain:g}" + ("+stop" if self.confidence_stop else "")
+        return "goodput:stop" if self.confidence_stop else "goodput"
+
+    @property
+    def stops_on_confidence(self) -> bool:
+        """Whether the planner hands a model proposer the confidence stop (``confidence_stop``)."""
+        return self.confidence_stop
 
     def _allocate(self, state: PolicyState, cost: StepCostModel) -> Allocation:
         return allocate([r.acceptance for r in state.requests], [r.max_k for r in state.requests], cost,

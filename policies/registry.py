@@ -63,12 +63,20 @@ def _roofline(arg: str | None, **_: Any) -> Policy:
 
 
 def _goodput(arg: str | None, **_: Any) -> Policy:
+    """``goodput``, ``goodput:MARGIN``, ``goodput:stop`` (a draft head's confidence stop on), or
+    ``goodput:MARGIN+stop``."""
     if arg is None:
         return GoodputPolicy()
+    margin, plus, stop = arg.partition("+")
+    if margin == "stop" and not plus:
+        return GoodputPolicy(confidence_stop=True)
     try:
-        return GoodputPolicy(min_relative_gain=float(arg))
+        if plus and stop != "stop":
+            raise ValueError(stop)
+        return GoodputPolicy(min_relative_gain=float(margin), confidence_stop=bool(plus))
     except ValueError:
-        raise ValueError(f"policy 'goodput' takes an optional margin >= 0 (e.g. 'goodput:0.02'), got {arg!r}") from None
+        raise ValueError(f"policy 'goodput' takes an optional margin >= 0 and/or 'stop' (e.g. 'goodput:0.02', "
+                         f"'goodput:stop', 'goodput:0.02+stop'), got {arg!r}") from None
 
 
 def _oracle(arg: str | None, *, oracle_table=None, oracle_cell=None, **_: Any) -> Policy:
@@ -94,7 +102,7 @@ _OPTIONS = frozenset({"oracle_table", "oracle_cell"})
 
 def make_policy(spec: str, **options: Any) -> Policy:
     """A policy from ``NAME[:ARG]``: off, static:K, batch_table[:B=K,...], heuristic[:K],
-    roofline[:K], goodput[:MARGIN], oracle (with ``oracle_table=`` and optionally ``oracle_cell=``)."""
+    roofline[:K], goodput[:MARGIN][+stop] or goodput:stop, oracle (with ``oracle_table=`` and optionally ``oracle_cell=``)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"a policy name is required; choose one of: {', '.join(POLICIES)}")
     unknown = set(options) - _OPTIONS

@@ -1,14 +1,18 @@
-"""The confidence stop's prices, paired in one process (issue #33): the chain proposer (the
-shipped head), fp32 target, the evaluation's prompts, SD off and static k = 1, 2 beside the
-goodput policy under two stop rules, arms interleaved and rotated each round.
+"""The confidence stop, paired in one process (issue #33): the chain proposer (the shipped head),
+fp32 target, the evaluation's prompts (max(B, 4) requests a cell, 64 tokens), SD off and static k
+beside the goodput policy under several stop rules, arms interleaved and rotated each round.
 
+* ``new``: the planner as it is: every request given a head draft may draft up to its cap, a draft
+  pays for its query token; a pass after the first runs only while the drafts still running pay
+  for it (engine/decider.py ``DraftStop.pass_gain``).
 * ``old``: one price per draft, a query token plus a head pass (what the stop used before
   ``marginal_draft_prices``): a first draft was dropped unless it paid for the pass that had
   already drawn it.
-* ``new``: the planner as it is: a draft pays for its query token; a pass after the first runs
-  only while the drafts still running pay for it (engine/decider.py ``DraftStop.pass_gain``).
+* ``cut``: the stop only shortens the policy's chosen k (no drafting past it).
+* ``none``: no stop: each request drafts exactly the chosen k.
 
-    python scripts/stop_price_ab.py --profile P.json --batch 1 --rounds 4 --workloads mtbench,gsm8k --out DIR
+    python scripts/stop_price_ab.py --profile P.json --batch 1 --rounds 4 --workloads mtbench,gsm8k \
+        --arms new,old --out DIR
 """
 
 from __future__ import annotations
@@ -37,12 +41,32 @@ class OneDraftPrice(Planner):
         return deeper, self.confidence.stop(stop.min_gain + stop.pass_gain, 0.0)
 
 
+class CutOnly(Planner):
+    """The stop may shorten the chosen k, never draft past it."""
+
+    def _confident_drafts(self, state, ks):
+        _, stop = super()._confident_drafts(state, ks)
+        return ks, stop
+
+
+class NoStop(Planner):
+    """No confidence stop: the chosen k as they are."""
+
+    def _confident_drafts(self, state, ks):
+        return ks, None
+
+
+VARIANTS = {"new": Planner, "old": OneDraftPrice, "cut": CutOnly, "none": NoStop}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", required=True)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--workloads", default="mtbench,gsm8k")
+    ap.add_argument("--arms", default="new,old", help=f"stop rules, of {', '.join(VARIANTS)}")
+    ap.add_argument("--static-ks", default="0,1,2")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     profile = Profile.load(args.profile)
@@ -54,8 +78,10 @@ def main() -> None:
         p.__class__ = kind  # the same planner, only the stop's rule differs
         return p
 
-    arms = {"off": lambda: FixedDecider(0), "static:1": lambda: FixedDecider(1), "static:2": lambda: FixedDecider(2),
-            "old": lambda: planner(OneDraftPrice), "new": lambda: planner(Planner)}
+    variants = args.arms.split(",")
+    arms = {("off" if k == 0 else f"static:{k}"): (lambda k=k: FixedDecider(k))
+            for k in (int(x) for x in args.static_ks.split(","))}
+    arms.update({v: (lambda v=v: planner(VARIANTS[v])) for v in variants})
     names = list(arms)
     results = {}
     for w in args.workloads.split(","):
@@ -78,16 +104,21 @@ def main() -> None:
         def paired(a: str, b: str) -> float:
             return statistics.median(x["goodput"] / y["goodput"] for x, y in zip(runs[a], runs[b]))
 
-        summary = {"vs_off": {m: paired(m, "off") for m in names}, "new_vs_old": paired("new", "old"),
-                   "new_wins_rounds": sum(x["goodput"] > y["goodput"] for x, y in zip(runs["new"], runs["old"])),
-                   "k_zero_share": {m: statistics.median(x["k_zero_share"] for x in runs[m]) for m in ("old", "new")},
-                   "mean_k": {m: statistics.median(x["mean_k"] for x in runs[m]) for m in ("old", "new")},
+        first = variants[0]
+        summary = {"vs_off": {m: paired(m, "off") for m in names},
+                   f"vs_{first}": {v: paired(v, first) for v in variants[1:]},
+                   f"wins_over_{first}": {v: sum(x["goodput"] > y["goodput"] for x, y in zip(runs[v], runs[first]))
+                                          for v in variants[1:]},
+                   "k_zero_share": {v: statistics.median(x["k_zero_share"] for x in runs[v]) for v in variants},
+                   "mean_k": {v: statistics.median(x["mean_k"] for x in runs[v]) for v in variants},
+                   "acceptance": {m: statistics.median(x["acceptance"] for x in runs[m]) for m in names},
                    "goodput": {m: [x["goodput"] for x in runs[m]] for m in names}}
-        print(f"{w} B={args.batch}: new/old {summary['new_vs_old']:.3f} (new ahead in {summary['new_wins_rounds']} of "
-              f"{args.rounds} rounds); x off " + ", ".join(f"{m} {v:.3f}" for m, v in summary["vs_off"].items()), flush=True)
+        print(f"{w} B={args.batch}: x off " + ", ".join(f"{m} {v:.3f}" for m, v in summary["vs_off"].items())
+              + "; vs " + first + " " + ", ".join(f"{v} {r:.3f} ({summary[f'wins_over_{first}'][v]}/{args.rounds})"
+                                                 for v, r in summary[f"vs_{first}"].items()), flush=True)
         results[w] = summary
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"stop-prices-b{args.batch}.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"stop-{'-'.join(variants)}-b{args.batch}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -435,7 +435,7 @@ def test_a_chain_keeps_the_lookups_k_under_the_confidence_stop():
     """Under the confidence stop the head's requests draft to their cap (the stop cuts them); a
     request its lookup serves keeps the k the allocation gave it: nothing stops a lookup draft,
     and a 1-token match's 8 drafts would all be verified."""
-    planner = Planner(make_policy("goodput"), FLAT, proposer="chain", draft_cost=DraftCost(per_pass_s=0.001))
+    planner = Planner(make_policy("goodput:stop"), FLAT, proposer="chain", draft_cost=DraftCost(per_pass_s=0.001))
     planner.observe(record([0, 0], [0.0, 0.0], random.Random(0)))  # a plain step: the drafts' baseline
     rng = random.Random(1)
     for step in range(40):  # earlier requests: a 1-token match's 8 drafts, the first accepted a third of the time
