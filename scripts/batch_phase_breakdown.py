@@ -1,0 +1,101 @@
+"""Where a closed-loop cell's time goes, by how many requests were running (issue #33, the B = 4
+cells): the evaluation's cell (max(B, 4) requests of one workload queued at once, at most B
+running, 64 tokens each), run by static k and by the goodput policy in turn on the chain proposer;
+for every step the number of decoding requests, its seconds, emitted tokens and drafts, summed per
+batch size, and the full-batch steps' tokens per second.
+
+A policy can emit more tokens per second than a static k while the batch is full and still lose
+the cell: if it drafts for some requests much more than for others (a request whose lookup copies
+its prompt), those finish first and the rest run on in a smaller, less efficient batch, a drain a
+server with a queue would refill.
+
+    python scripts/batch_phase_breakdown.py --profile P.json --workload mtbench --batch 4 --static-k 1 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+from specplan.bench.evaluate import _engine, run_cell
+from specplan.bench.workloads import load_workload
+from specplan.engine import FixedDecider, load_model
+from specplan.planner.controller import Planner
+from specplan.planner.from_profile import planner_from_profile
+from specplan.policies import make_policy
+from specplan.profiler.profile import Profile
+
+MAX_TOKENS = 64
+
+
+class _Steps:
+    """Mixed into a decider: every step's (decodes, seconds, emitted, drafts)."""
+
+    def observe(self, record) -> None:
+        self.steps.append((len(record.requests), record.total_s, sum(r.num_emitted for r in record.requests),
+                           sum(r.num_proposed for r in record.requests)))
+        super().observe(record)
+
+
+class LoggedStatic(_Steps, FixedDecider):
+    pass
+
+
+class LoggedPlanner(_Steps, Planner):
+    pass
+
+
+def phases(steps: list[tuple[int, float, int, int]]) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = collections.defaultdict(lambda: {"steps": 0, "seconds": 0.0, "emitted": 0,
+                                                                       "drafts": 0})
+    for n, seconds, emitted, drafts in steps:
+        cell = out[n]
+        cell["steps"] += 1
+        cell["seconds"] += seconds
+        cell["emitted"] += emitted
+        cell["drafts"] += drafts
+    return dict(sorted(out.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--workload", default="mtbench")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--static-k", type=int, default=1)
+    ap.add_argument("--policy", default="goodput")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None, help="a JSON of every round's phases")
+    args = ap.parse_args()
+    profile = Profile.load(args.profile)
+    loaded = load_model(None)
+    engine = _engine(loaded, "chain", args.batch, 8)
+    n = max(args.batch, 4)
+    prompts = [p.render(loaded.tokenizer) for p in load_workload(args.workload, n, 0)][:n]
+    run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
+    results = []
+    for r in range(args.rounds):
+        for name in (f"static:{args.static_k}", args.policy):
+            if name.startswith("static:"):
+                decider = LoggedStatic(args.static_k)
+            else:
+                decider = planner_from_profile(profile, make_policy(name), proposer="chain", max_k=8)
+                decider.__class__ = LoggedPlanner
+            decider.steps = []
+            x = run_cell(engine, prompts, decider, MAX_TOKENS, concurrency=args.batch)
+            by_batch = phases(decider.steps)
+            full = by_batch.get(args.batch, {"seconds": 0.0, "emitted": 0})
+            print(f"round {r} {name}: {x['goodput']:.1f} tok/s over the cell; full-batch steps "
+                  f"{full['emitted'] / max(full['seconds'], 1e-9):.0f} tok/s; by running requests "
+                  + ", ".join(f"{b}: {c['steps']} steps {c['seconds']:.2f} s {c['emitted']} tokens" for b, c in by_batch.items()),
+                  flush=True)
+            results.append({"round": r, "decider": name, "goodput": x["goodput"], "phases": by_batch})
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
