@@ -91,39 +91,57 @@ def _step_seconds(cost: StepCostModel, max_drafts: int, depth: int) -> np.ndarra
     return cost.target_curve(max_drafts)[:max_drafts + 1] + (cost.overhead_s - cost.shared_s) + extra
 
 
-# Up to this many candidate drafts (at one depth cap) ``allocate`` searches in plain Python
-# (``_best_few``): on a small problem numpy's per-call cost is most of the work (at B = 1 a
-# decision took ~0.2 ms of an 8 ms step on the Q4_1 engine, measured: reports/README.md).
+# Up to this many candidate drafts ``allocate`` searches in plain Python (``_best_few``), every
+# depth cap of a draft model included: on a small problem numpy's per-call cost is most of the
+# work (at B = 1 a decision took ~0.2 ms of an 8 ms step on the Q4_1 engine, measured:
+# reports/README.md; at B = 4 on the chain, one numpy pass per depth cap, ~0.47 ms).
 _FEW_DRAFTS = 64
 
 
-def _best_few(rows: Sequence[tuple[float, ...]], lengths: Sequence[int], depth: int, limit: int,
-              cost: StepCostModel, sla_s: float | None, floor: float) -> tuple[tuple[int, ...], float]:
-    """``allocate``'s search at a single depth cap over at most ``_FEW_DRAFTS`` candidates, in
-    plain Python: the same order (one stable sort, ties to the earlier request), the same float
-    operations in the same order, so the same answer (tests/test_planner.py checks both on random
-    problems). Returns (ks, goodput), or ((), floor) when no total beats ``floor``."""
+def _best_few(rows: Sequence[tuple[float, ...]], lengths: Sequence[int], depths: Sequence[int], limit: int,
+              cost: StepCostModel, sla_s: float | None, floor: float,
+              drafted: Sequence[bool] | None = None) -> tuple[tuple[int, ...], float]:
+    """``allocate``'s search over at most ``_FEW_DRAFTS`` candidates, in plain Python: the same
+    order (one stable sort, ties to the earlier request), the same depth caps in the same order,
+    the same float operations in the same order, so the same answer (tests/test_planner.py checks
+    both on random problems, chains of lookup and model drafts included). ``depths``: the depth
+    caps to try (a cap D keeps model drafts at positions < D and every lookup draft, whose
+    request ``drafted`` marks False); a cap must beat the best so far, starting from ``floor``.
+    Returns (ks, goodput), or ((), floor) when no total beats ``floor``.
+
+    At B = 4 on the chain (four depth caps or more a step) the numpy search took ~0.47 ms of a
+    ~37 ms step in the engine; a head's drafts always bring several caps."""
     owners = [i for i, n in enumerate(lengths) for _ in range(n)]  # [drafts]: whose gain
+    positions = [j for n in lengths for j in range(n)]  # [drafts]: its draft position (0-based)
     gains = [g for row, n in zip(rows, lengths) for g in row[:n]]  # [drafts], request-major
-    order = sorted(range(len(gains)), key=gains.__getitem__, reverse=True)[:limit]  # stable
-    if not order:
-        return (), floor
-    curve = cost.target_seconds_list(len(order))
+    full = sorted(range(len(gains)), key=gains.__getitem__, reverse=True)  # stable
+    model_deepest = max((n for n, m in zip(lengths, drafted or (True,) * len(lengths)) if m), default=0)
     draft = cost.draft_cost
     fixed = cost.overhead_s - cost.shared_s
-    per_pass = draft.per_pass_s * depth
     num = len(lengths)
-    best_n, best_g, cum = 0, -math.inf, 0.0
-    for n, x in enumerate(order, start=1):
-        cum += gains[x]
-        t = curve[n] + fixed + (per_pass + draft.per_token_s * n)  # as _step_seconds
-        g = (num + cum) / t if sla_s is None or t <= sla_s else -math.inf
-        if g > best_g:  # the first best, as argmax
-            best_n, best_g = n, g
-    if not best_g > floor:
+    best_g, best = floor, ()
+    for depth in depths:
+        if depth >= model_deepest:
+            order = full[:limit]
+        else:
+            order = [x for x in full if positions[x] < depth or not (drafted is None or drafted[owners[x]])][:limit]
+        if not order:
+            continue
+        curve = cost.target_seconds_list(len(order))
+        per_pass = draft.per_pass_s * depth
+        best_n, depth_g, cum = 0, -math.inf, 0.0
+        for n, x in enumerate(order, start=1):
+            cum += gains[x]
+            t = curve[n] + fixed + (per_pass + draft.per_token_s * n)  # as _step_seconds
+            g = (num + cum) / t if sla_s is None or t <= sla_s else -math.inf
+            if g > depth_g:  # the first best, as argmax
+                best_n, depth_g = n, g
+        if depth_g > best_g:
+            best_g, best = depth_g, order[:best_n]
+    if not best:
         return (), floor
     ks = [0] * num
-    for x in order[:best_n]:
+    for x in best:
         ks[owners[x]] += 1
     return tuple(ks), best_g
 
@@ -144,7 +162,7 @@ def any_draft_pays(num: int, cap: int, cost: StepCostModel, *, sla_itl_s: float 
     limit = num * cap if max_total_drafts is None else max(0, min(num * cap, max_total_drafts))
     for depth in (range(1, cap + 1) if cost.draft_cost.per_pass_s > 0.0 else (cap,)):
         if num * depth <= _FEW_DRAFTS:  # as allocate: a small search in plain Python, the same answer
-            if _best_few(((1.0,) * depth,) * num, (depth,) * num, depth, limit, cost, sla_s, floor)[0]:
+            if _best_few(((1.0,) * depth,) * num, (depth,) * num, (depth,), limit, cost, sla_s, floor)[0]:
                 return True
             continue
         most = min(limit, num * depth)
@@ -200,8 +218,8 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     depth_caps = (range(0 if looked_up else 1, model_deepest + 1) if draft.per_pass_s > 0.0 and model_deepest
                   else (model_deepest,))
     limit = sum(lengths) if max_total_drafts is None else max(0, min(sum(lengths), max_total_drafts))
-    if len(depth_caps) == 1 and limit <= _FEW_DRAFTS:
-        ks, goodput = _best_few(rows, lengths, depth_caps[0], limit, cost, sla_s, floor)
+    if sum(lengths) <= _FEW_DRAFTS or (len(depth_caps) == 1 and limit <= _FEW_DRAFTS):
+        ks, goodput = _best_few(rows, lengths, depth_caps, limit, cost, sla_s, floor, drafted)
         if not ks:
             return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
         return Allocation(ks, goodput, cost.seconds(ks), off_goodput)

@@ -120,8 +120,8 @@ def test_step_goodput_and_draft_cost():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_few_drafts_search_matches_the_vectorised_one(seed, monkeypatch):
-    """``allocate`` searches small single-depth problems in plain Python (``_best_few``) and the
-    rest with numpy; on random problems (ties included: every third one repeats one estimate)
+    """``allocate`` searches small problems in plain Python (``_best_few``), a draft model's depth
+    caps included, and the rest with numpy; on random problems (ties included: every third one repeats one estimate)
     both give the same allocation, to the last bit of its goodput."""
     import specplan.policies.goodput as goodput_module
 
@@ -134,8 +134,14 @@ def test_the_few_drafts_search_matches_the_vectorised_one(seed, monkeypatch):
             (rng.choice((0.0, 1.0, rng.random())) for _ in range(8)), reverse=True)), rng.random()) for _ in range(num)]
         caps = [rng.randint(0, 8) for _ in range(num)]
         latency = RidgeLatency(a=0.01, b=rng.choice((0.0, 0.0004, 0.002)), c=1e-7, ridge_tokens=rng.randint(1, 12))
+        # A third of the problems draft with a model (a pass per position: every depth cap is
+        # searched), half of those as a chain whose lookup serves some requests.
+        model = i % 3 == 1
+        drafted = tuple(rng.random() < 0.6 for _ in range(num)) if model and rng.random() < 0.5 else None
         cost = cost_for(latency, num, prefill_tokens=rng.choice((0, 0, 64)),
-                        draft=DraftCost(per_token_s=rng.choice((0.0, 1e-4))), overhead=rng.choice((0.0, 5e-4)))
+                        draft=DraftCost(per_pass_s=rng.choice((3e-4, 1.5e-3)) if model else 0.0,
+                                        per_token_s=rng.choice((0.0, 1e-4))),
+                        overhead=rng.choice((0.0, 5e-4)), model_drafted=drafted)
         options = dict(sla_itl_s=rng.choice((None, None, 0.0125)), min_relative_gain=0.02,
                        max_total_drafts=rng.choice((None, None, rng.randint(0, 10))))
         problems.append((estimates, caps, cost, options))
@@ -144,6 +150,10 @@ def test_the_few_drafts_search_matches_the_vectorised_one(seed, monkeypatch):
     vectorised = [allocate(e, c, dataclasses.replace(cost), **o) for e, c, cost, o in problems]
     assert few == vectorised
     assert sum(a.total_drafts > 0 for a in few) >= 15  # the problems do hand out drafts
+    # ... and so do the model-drafted ones, some of them below their deepest cap
+    drafting = [(a, c) for a, (_, c, cost, _) in zip(few, problems) if cost.draft_cost.per_pass_s and a.total_drafts]
+    assert len(drafting) >= 5
+    assert any(max(a.ks) < max(c) for a, c in drafting)
 
 
 @pytest.mark.parametrize("seed", range(3))
