@@ -24,7 +24,7 @@ from specplan.planner import (AcceptanceConfig, AcceptanceEstimate, DraftCost, D
 from specplan.planner.acceptance import MAX_MATCH_BUCKET, ProposerPrior, default_prior, exact_length, match_bucket
 from specplan.planner.calibration import AcceptanceCalibration, CalibrationConfig
 from specplan.planner.drift import DraftPrice, DraftSlope
-from specplan.planner.goodput import MIN_DRAFT_INCREMENT, priced_seconds
+from specplan.planner.goodput import MIN_DRAFT_INCREMENT, draft_increment, priced_seconds
 from specplan.policies import make_policy
 from specplan.policies.goodput import GoodputPolicy, allocate
 from specplan.profiler.fit import HingeLatencyModel
@@ -178,6 +178,27 @@ def test_the_screen_answers_the_same_in_plain_python_and_numpy(seed, monkeypatch
     monkeypatch.setattr(goodput_module, "_FEW_DRAFTS", -1)
     assert few == [any_draft_pays(n, c, dataclasses.replace(cost), **o) for n, c, cost, o in problems]
     assert 10 <= sum(few) <= len(few) - 10
+
+
+def test_a_step_increment_is_priced_in_plain_floats_as_the_curve_is_in_numpy():
+    """The planner's ``observe`` prices one step's drafts with ``draft_increment`` and
+    ``priced_seconds`` on plain floats; they answer with plain floats (numpy scalars made every
+    later operation on them slow), and with the values the array forms give element by element,
+    on both sides of the floor and of zero."""
+    import numpy as np
+
+    rng = random.Random(0)
+    for _ in range(200):
+        base_s, tokens = rng.uniform(0.005, 0.05), rng.randint(1, 64)
+        drafts = rng.randint(0, 16)
+        with_s = base_s + rng.choice((0.0, rng.uniform(-1e-4, 1e-4), rng.uniform(0.0, 0.02)))
+        slope, jump = rng.uniform(0.1, 4.0), rng.uniform(-0.5, 0.5)
+        inc = draft_increment(base_s, with_s, drafts, tokens)
+        priced = priced_seconds(base_s, inc, slope, jump)
+        assert type(inc) is float and type(priced) is float
+        inc_array = draft_increment(base_s, np.array([with_s]), np.array([drafts]), tokens)
+        assert inc == inc_array[0]
+        assert priced == priced_seconds(base_s, inc_array, slope, jump)[0]
 
 
 @pytest.mark.parametrize("seed", range(3))
