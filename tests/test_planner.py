@@ -121,8 +121,8 @@ def test_step_goodput_and_draft_cost():
 @pytest.mark.parametrize("seed", range(6))
 def test_the_few_drafts_search_matches_the_vectorised_one(seed, monkeypatch):
     """``allocate`` searches small problems in plain Python (``_best_few``), a draft model's depth
-    caps included, and the rest with numpy; on random problems (ties included: every third one repeats one estimate)
-    both give the same allocation, to the last bit of its goodput."""
+    caps included, and the rest with numpy; on random problems (ties included: every third one
+    repeats one estimate) both give the same allocation, to the last bit of its goodput."""
     import specplan.policies.goodput as goodput_module
 
     rng = random.Random(seed)
