@@ -115,16 +115,17 @@ def _best_few(rows: Sequence[tuple[float, ...]], lengths: Sequence[int], depths:
     positions = [j for n in lengths for j in range(n)]  # [drafts]: its draft position (0-based)
     gains = [g for row, n in zip(rows, lengths) for g in row[:n]]  # [drafts], request-major
     full = sorted(range(len(gains)), key=gains.__getitem__, reverse=True)  # stable
-    model_deepest = max((n for n, m in zip(lengths, drafted or (True,) * len(lengths)) if m), default=0)
+    deepest = max(lengths, default=0)
     draft = cost.draft_cost
     fixed = cost.overhead_s - cost.shared_s
     num = len(lengths)
     best_g, best = floor, ()
     for depth in depths:
-        if depth >= model_deepest:
-            order = full[:limit]
-        else:
-            order = [x for x in full if positions[x] < depth or not (drafted is None or drafted[owners[x]])][:limit]
+        # A cap at or past the deepest draft keeps them all (as allocate's numpy search does for
+        # caps past the deepest model draft: the filter below would keep them all there too).
+        kept = full if depth >= deepest else [x for x in full if positions[x] < depth
+                                              or not (drafted is None or drafted[owners[x]])]
+        order = kept[:limit]
         if not order:
             continue
         curve = cost.target_seconds_list(len(order))
