@@ -19,8 +19,7 @@ import collections
 import json
 from pathlib import Path
 
-from specplan.bench.evaluate import _engine, run_cell
-from specplan.bench.workloads import load_workload
+from specplan.bench.evaluate import _engine, cell_prompts, run_cell
 from specplan.engine import FixedDecider, load_model
 from specplan.planner.controller import Planner
 from specplan.planner.from_profile import planner_from_profile
@@ -72,8 +71,7 @@ def main() -> None:
     profile = Profile.load(args.profile)
     loaded = load_model(None)
     engine = _engine(loaded, "chain", args.batch, 8)
-    n = max(args.batch, 4)
-    prompts = [p.render(loaded.tokenizer) for p in load_workload(args.workload, n, 0)][:n]
+    prompts = cell_prompts(loaded.tokenizer, args.workload, args.batch)
     run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
     results = []
     for r in range(args.rounds):

@@ -19,8 +19,7 @@ import statistics
 from pathlib import Path
 
 import specplan.policies.goodput as goodput_module
-from specplan.bench.evaluate import _engine, run_cell
-from specplan.bench.workloads import load_workload
+from specplan.bench.evaluate import _engine, cell_prompts, run_cell
 from specplan.engine import FixedDecider, load_model
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy
@@ -59,10 +58,9 @@ def main() -> None:
     profile = Profile.load(args.profile)
     loaded = load_model(None, quantize=args.quantize)
     engine = _engine(loaded, args.proposer, args.batch, 8)
-    n = max(args.batch, 4)
     report = {}
     for workload in args.workloads.split(","):
-        prompts = [p.render(loaded.tokenizer) for p in load_workload(workload, n, 0)][:n]
+        prompts = cell_prompts(loaded.tokenizer, workload, args.batch)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
         runs = {arm: [] for arm in ARMS}
         for r in range(args.rounds):

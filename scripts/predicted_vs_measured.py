@@ -17,8 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from specplan.bench.evaluate import _engine, run_cell
-from specplan.bench.workloads import load_workload
+from specplan.bench.evaluate import _engine, cell_prompts, run_cell
 from specplan.engine import FixedDecider, load_model
 from specplan.planner.controller import Planner
 from specplan.planner.from_profile import planner_from_profile
@@ -67,9 +66,8 @@ def main() -> None:
     profile = Profile.load(args.profile)
     loaded = load_model(None)
     engine = _engine(loaded, args.proposer, args.batch, 8)
-    n = max(args.batch, 4)
     for workload in args.workloads.split(","):
-        prompts = [p.render(loaded.tokenizer) for p in load_workload(workload, n, 0)][:n]
+        prompts = cell_prompts(loaded.tokenizer, workload, args.batch)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
         for r in range(args.rounds):
             for force in (args.static_k, None):

@@ -22,8 +22,7 @@ import json
 import statistics
 from pathlib import Path
 
-from specplan.bench.evaluate import _engine, run_cell
-from specplan.bench.workloads import load_workload
+from specplan.bench.evaluate import _engine, cell_prompts, run_cell
 from specplan.engine import FixedDecider, load_model
 from specplan.planner.controller import Planner
 from specplan.planner.from_profile import planner_from_profile
@@ -85,8 +84,7 @@ def main() -> None:
     names = list(arms)
     results = {}
     for w in args.workloads.split(","):
-        n = max(args.batch, 4)  # the evaluation's cell: max(B, 4) requests of the workload
-        prompts = [p.render(loaded.tokenizer) for p in load_workload(w, n, 0)][:n]
+        prompts = cell_prompts(loaded.tokenizer, w, args.batch)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
         runs: dict[str, list[dict]] = {name: [] for name in names}
         reference = None

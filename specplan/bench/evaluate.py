@@ -128,6 +128,14 @@ def replayed_reference(engine: LLMEngine, prompts: list[list[int]], max_tokens: 
     return reference, replay(proposer, prompts, reference, spec.max_k)
 
 
+def cell_prompts(tokenizer, workload: str, batch: int, min_requests: int = 4) -> list[list[int]]:
+    """The rendered prompts of one closed-loop cell at concurrency ``batch``: max(batch,
+    min_requests) of the workload, drawn as ``evaluate`` draws them for a grid whose largest cell
+    this is (seed 0). The development scripts that take one cell apart use these."""
+    n = max(batch, min_requests)
+    return [p.render(tokenizer) for p in load_workload(workload, n, 0)][:n]
+
+
 def held_out_prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
     """n rendered prompts of a workload that the evaluation does not use (it draws
     EVALUATION_POOL with seed 0): for measurements that set the planner's priors."""
