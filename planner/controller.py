@@ -227,10 +227,12 @@ class Planner:
 
     def _pricing(self, num_decodes: int) -> StepPricing:
         """What a step of this many decodes costs, as learned so far."""
-        price = self.draft_slope.price(num_decodes)
+        slope = self.draft_slope
+        price = slope.price(num_decodes)
+        # No plain baseline step is asked for while a prefill's next steps settle: it would not be learned from.
         return StepPricing(latency=self.latency, draft_cost=self.draft_cost, overhead_s=self.overhead_s,
-                           draft_slope=price.slope, explore_slope=self.draft_slope.explore_slope(num_decodes, price),
-                           draft_jump=price.jump, draft_baseline=self.draft_slope.has_baseline(num_decodes))
+                           draft_slope=price.slope, explore_slope=slope.explore_slope(num_decodes, price),
+                           draft_jump=price.jump, draft_baseline=slope.has_baseline(num_decodes) or slope.settling)
 
     def _forget_stale(self) -> None:
         # Finished requests simply stop appearing; a preempted one may come back, so wait a while.
@@ -391,6 +393,8 @@ class Planner:
         # (or only) prefills is another regime, e.g. a 400-token prompt at B = 1 would become the
         # plain baseline its next decode steps are measured against.
         decode_only = num_decodes > 0 and record.num_prefill_tokens == 0
+        if record.num_prefill_tokens > 0:
+            self.draft_slope.prefilled()
         if drafts <= 0:
             predicted = model.predict(shape)
             self.drift.update(predicted, measured)

@@ -1189,10 +1189,32 @@ def test_prefill_steps_are_no_baseline_for_the_draft_slope():
     mixed = record([0], [0.7], rng, forward_s=0.5, num_prefill=300)  # a decode riding a prefill chunk
     planner.observe(mixed)
     assert not planner.draft_slope.has_baseline(1)
+    settle = planner.draft_slope.config.settle_steps
+    for _ in range(settle):  # the decode steps right after a prefill settle: slow, not learned from
+        assert planner.draft_slope.settling
+        planner.observe(record([0], [0.7], rng, forward_s=0.03))
+        assert not planner.draft_slope.has_baseline(1)
+    assert not planner.draft_slope.settling
     planner.observe(record([0], [0.7], rng, forward_s=0.02))  # a plain decode step: the baseline
     assert planner.draft_slope.has_baseline(1)
     planner.observe(record([6], [0.7], rng, forward_s=0.0205))
     assert planner.draft_slope.slope(1) < 0.5  # the model prices 6 drafts at +7.5 ms; +0.5 measured
+
+
+def test_no_plain_baseline_is_asked_for_while_a_prefill_settles():
+    """The settling steps after a prefill are not learned from, so the goodput policy does not spend
+    its plain baseline step on one of them: it drafts at the profile's price while they run, then
+    takes the baseline, then drafts again, now at the learned price."""
+    planner = Planner(make_policy("goodput"), FLAT, proposer="ngram")
+    rng = random.Random(4)
+    planner.observe(StepRecord((), 4, 400, 400, 0, 0.0, 0.2, 0.0, 0.2))  # the four prompts
+    chosen = []
+    for _ in range(planner.draft_slope.config.settle_steps + 3):
+        ks = planner.decide(view(4))
+        chosen.append(sum(ks))
+        planner.observe(record(ks, [0.8] * 4, rng, forward_s=0.03))
+    settle = planner.draft_slope.config.settle_steps
+    assert all(chosen[:settle]) and chosen[settle] == 0 and chosen[settle + 1] > 0, chosen
 
 
 def test_planner_learns_that_an_overpriced_draft_is_cheap():
