@@ -1,6 +1,6 @@
 """Where a closed-loop cell's time goes, by how many requests were running (issue #33, the B = 4
-cells): the evaluation's cell (max(B, 4) requests of one workload queued at once, at most B
-running, 64 tokens each), run by static k and by the goodput policy in turn on the chain proposer;
+cells, and #36's Q4_1 ones with ``--quantize gguf --proposer ngram``): the evaluation's cell (max(B, 4) requests of one workload queued at once, at most B
+running, 64 tokens each), run by static k and by the goodput policy in turn (the chain proposer unless told);
 for every step the number of decoding requests, its seconds, emitted tokens and drafts, summed per
 batch size, and the full-batch steps' tokens per second.
 
@@ -66,11 +66,13 @@ def main() -> None:
     ap.add_argument("--static-k", type=int, default=1)
     ap.add_argument("--policy", default="goodput")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--proposer", default="chain")
+    ap.add_argument("--quantize", default=None, help="as specplan evaluate's --quantize (e.g. gguf: the Q4_1 engine)")
     ap.add_argument("--out", type=Path, default=None, help="a JSON of every round's phases")
     args = ap.parse_args()
     profile = Profile.load(args.profile)
-    loaded = load_model(None)
-    engine = _engine(loaded, "chain", args.batch, 8)
+    loaded = load_model(None, quantize=args.quantize)
+    engine = _engine(loaded, args.proposer, args.batch, 8)
     prompts = cell_prompts(loaded.tokenizer, args.workload, args.batch)
     run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
     results = []
@@ -79,7 +81,7 @@ def main() -> None:
             if name.startswith("static:"):
                 decider = LoggedStatic(args.static_k)
             else:
-                decider = planner_from_profile(profile, make_policy(name), proposer="chain", max_k=8)
+                decider = planner_from_profile(profile, make_policy(name), proposer=args.proposer, max_k=8)
                 decider.__class__ = LoggedPlanner
             decider.steps = []
             x = run_cell(engine, prompts, decider, MAX_TOKENS, concurrency=args.batch)

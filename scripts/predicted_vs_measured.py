@@ -62,9 +62,10 @@ def main() -> None:
     ap.add_argument("--workloads", default="gsm8k,mtbench")
     ap.add_argument("--static-k", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quantize", default=None, help="as specplan evaluate's --quantize (gguf: the Q4_1 engine)")
     args = ap.parse_args()
     profile = Profile.load(args.profile)
-    loaded = load_model(None)
+    loaded = load_model(None, quantize=args.quantize)
     engine = _engine(loaded, args.proposer, args.batch, 8)
     for workload in args.workloads.split(","):
         prompts = cell_prompts(loaded.tokenizer, workload, args.batch)

@@ -1,0 +1,116 @@
+"""The goodput planner as it ships against variants of its configuration, paired in one process on
+the evaluation's closed-loop cells (max(B, 4) requests of one workload, 64 tokens, greedy), with
+SD off and static k beside them. Arms alternate, their order rotated per round; every arm's
+tokens must equal SD off's.
+
+Variants (``--variants``, comma-separated):
+  no-settle  ``DraftSlopeConfig(settle_steps=0)``: learn draft prices from the decode steps right
+             after a prefill too (planner/drift.py)
+
+    python scripts/planner_config_ab.py --quantize gguf --profile reports/profile-xeon-q4_1/profile.json \\
+        --proposer ngram --batch 4 --variants no-settle --static-ks 1,2 --rounds 5 --out reports/planner-ab/q4_1-b4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+from specplan.bench.evaluate import _engine, cell_prompts, run_cell
+from specplan.engine import FixedDecider, load_model
+from specplan.planner import DraftSlopeConfig
+from specplan.planner.from_profile import planner_from_profile
+from specplan.policies import make_policy
+from specplan.profiler.profile import Profile
+
+MAX_TOKENS = 64
+VARIANTS = {  # PlannerConfig fields that differ from the shipped planner
+    "no-settle": {"draft_slope": DraftSlopeConfig(settle_steps=0)},
+}
+SHIPPED = "goodput"
+
+
+def decider_for(arm: str, profile: Profile, proposer: str):
+    if arm.startswith("static:"):
+        return FixedDecider(int(arm.split(":")[1]))
+    options = VARIANTS.get(arm, {})
+    return planner_from_profile(profile, make_policy("goodput"), proposer=proposer, max_k=8, **options)
+
+
+def geo(xs) -> float:
+    xs = list(xs)
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--proposer", default="ngram")
+    ap.add_argument("--quantize", default=None)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--workloads", default="gsm8k,humaneval,mtbench,xsum")
+    ap.add_argument("--variants", default="no-settle")
+    ap.add_argument("--static-ks", default="1,2")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    profile = Profile.load(args.profile)
+    loaded = load_model(None, quantize=args.quantize)
+    engine = _engine(loaded, args.proposer, args.batch, 8)
+    statics = ["static:0"] + [f"static:{k}" for k in args.static_ks.split(",") if k]
+    arms = statics + [SHIPPED] + variants
+    report = {}
+    for workload in args.workloads.split(","):
+        prompts = cell_prompts(loaded.tokenizer, workload, args.batch)
+        run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
+        runs = {arm: [] for arm in arms}
+        for r in range(args.rounds):
+            for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+                runs[arm].append(run_cell(engine, prompts, decider_for(arm, profile, args.proposer), MAX_TOKENS,
+                                          concurrency=args.batch))
+        off = runs["static:0"]
+        same = all(x["outputs"] == off[0]["outputs"] for arm in arms for x in runs[arm])
+
+        def paired(arm: str, base: str) -> float:
+            return statistics.median(a["goodput"] / b["goodput"] for a, b in zip(runs[arm], runs[base]))
+
+        best = max(statics, key=lambda a: statistics.median(x["goodput"] for x in runs[a]))
+        line = {"tok_s": {arm: statistics.median(x["goodput"] for x in runs[arm]) for arm in arms},
+                "best_static": best,
+                "over_off": {arm: paired(arm, "static:0") for arm in [SHIPPED] + variants},
+                "over_best_static": {arm: paired(arm, best) for arm in [SHIPPED] + variants},
+                "shipped_over_variant": {v: paired(SHIPPED, v) for v in variants},
+                "shipped_over_variant_rounds": {v: [a["goodput"] / b["goodput"] for a, b in zip(runs[SHIPPED], runs[v])]
+                                                for v in variants},
+                "decider_ms_per_step": {arm: statistics.median(x["decider_ms_per_step"] for x in runs[arm])
+                                        for arm in [SHIPPED] + variants},
+                "outputs_identical": same}
+        report[workload] = line
+        print(f"{workload} B={args.batch}: x off " + ", ".join(f"{a} {v:.3f}" for a, v in line["over_off"].items())
+              + f"; x best static ({best}) " + ", ".join(f"{a} {v:.3f}" for a, v in line["over_best_static"].items())
+              + "; shipped / " + ", ".join(f"{v} {line['shipped_over_variant'][v]:.3f} (rounds "
+                                          + ", ".join(f"{x:.3f}" for x in line["shipped_over_variant_rounds"][v]) + ")"
+                                          for v in variants)
+              + f"; outputs identical: {same}", flush=True)
+    summary = {"over_off": {arm: geo(v["over_off"][arm] for v in report.values()) for arm in [SHIPPED] + variants},
+               "over_best_static": {arm: geo(v["over_best_static"][arm] for v in report.values())
+                                    for arm in [SHIPPED] + variants},
+               "shipped_over_variant": {var: geo(v["shipped_over_variant"][var] for v in report.values())
+                                        for var in variants}}
+    print("geo-mean over cells: " + json.dumps(summary), flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"batch": args.batch, "proposer": args.proposer, "quantize": args.quantize,
+                                        "profile": args.profile, "rounds": args.rounds, "variants": variants,
+                                        "geo_mean": summary, "workloads": report}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
