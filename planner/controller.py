@@ -26,6 +26,7 @@ from .confidence import ConfidenceCalibration, ConfidenceConfig, ConfidenceStop
 from .drift import DraftSlope, DraftSlopeConfig, DriftConfig, DriftCorrectedLatency, DriftCorrection
 from .filler import filler
 from .goodput import draft_increment, marginal_draft_prices, priced_seconds
+from .pause import PauseConfig, PlanningPause
 from .policy import Outcome, Policy, PolicyState, RequestState, Roofline, StepPricing
 from .timing import StepTimingLearner, TimingConfig
 
@@ -71,6 +72,10 @@ class PlannerConfig:
     # screens without asking the policy again (0: ask every step). Only a yes is reused: a stale yes costs
     # one ``decide`` that may answer 0 for all, so decisions stay exactly what they would be.
     screen_reuse_steps: int = 8
+    # Stop planning for a while where the drafts chosen were predicted to save less time than the
+    # planner spent choosing them (planner/pause.py), with a policy that weighs its choices in
+    # seconds (``weighs_planning_cost``: goodput). None: plan every step.
+    pause: PauseConfig | None = PauseConfig()
 
     def __post_init__(self) -> None:
         if self.screen_reuse_steps < 0:
@@ -162,6 +167,9 @@ class Planner:
         self.last_ks: list[int] = []  # the latest decision, aligned with last_state.requests
         self.num_decisions = 0  # request-steps decided
         self.num_zero_decisions = 0  # of which k = 0
+        weighs = getattr(policy, "weighs_planning_cost", False) and self.latency is not None
+        self.pause = PlanningPause(config.pause) if config.pause is not None and weighs else None
+        self._screen_s = 0.0  # the latest screen's own seconds, charged to the step it screened
 
     # ------------------------------------------------------------------ helpers
 
@@ -246,12 +254,22 @@ class Planner:
         """The engine's screen before any lookup (engine/decider.py ``ScreensSteps``): False when
         the policy says no request could be given drafts in a step of this shape even if every
         draft were accepted (a compute-bound step), so lookups and ``decide`` are skipped. Such a
-        step is counted as decided 0 for all, and its off step time is still predicted."""
+        step is counted as decided 0 for all, and its off step time is still predicted. Also False
+        while the planner pauses (planner/pause.py: planning did not pay for itself); ``decide``
+        answers 0 for all then too, for an engine that does not screen."""
         may_pay = getattr(self.policy, "may_pay", None)
-        if may_pay is None or outline.num_decodes == 0:
+        n = outline.num_decodes
+        if n == 0:
+            return True
+        pause = self.pause
+        start = pause.clock() if pause is not None else 0.0
+        self._screen_s = 0.0
+        if pause is not None and pause.paused(self._step + 1, n):
+            self._answer_zeros(n)
+            return False
+        if may_pay is None:
             return True
         cap = max(0, min(outline.max_k, self.config.max_k))
-        n = outline.num_decodes
         shape = (n, cap, outline.num_prefill_seqs > 0)
         self._screens += 1
         if self._screen_yes_until.get(shape, -1) >= self._screens:
@@ -266,17 +284,30 @@ class Planner:
                             workload=self.workload, pricing=self._pricing(n), sla_itl_s=self.sla_itl_s,
                             draft_budget=outline.draft_budget, roofline=self.roofline)
         if may_pay(state):
+            self._screen_s = pause.clock() - start if pause is not None else 0.0
             self._screen_yes_until[shape] = self._screens + self.config.screen_reuse_steps
             return True
+        self._answer_zeros(n)
+        self.last_state = state
+        if pause is not None:  # a step planned at the screen's cost, saving nothing
+            pause.planned(self._step, n, pause.clock() - start, 0.0)
+        return False
+
+    def _answer_zeros(self, n: int) -> None:
+        """Count a step whose n decodes are all given 0 without a decision (the screen, a pause)."""
         self._step += 1
         self.num_decisions += n
         self.num_zero_decisions += n
         self.draft_stop = None
         self._chosen_gains = {}
-        self.last_state, self.last_ks = state, [0] * n
-        return False
+        self.last_state, self.last_ks = None, [0] * n
 
     def decide(self, view: StepView) -> list[int]:
+        pause = self.pause
+        start = pause.clock() if pause is not None else 0.0
+        if pause is not None and pause.paused(self._step + 1, len(view.requests)):
+            self._answer_zeros(len(view.requests))  # an engine that does not screen steps
+            return [0] * len(view.requests)
         self._step += 1
         proposer = self.proposer or view.proposer
         planner_cap = self.config.max_k
@@ -326,7 +357,21 @@ class Planner:
         self.num_zero_decisions += ks.count(0)
         if step % 64 == 0:
             self._forget_stale()
+        if pause is not None:
+            saved = self._predicted_saving_s(state, ks) if any(ks) else 0.0
+            pause.planned(step, num_decodes, self._screen_s + pause.clock() - start, saved)
+            self._screen_s = 0.0
         return ks
+
+    @staticmethod
+    def _predicted_saving_s(state: PolicyState, ks: list[int]) -> float:
+        """Seconds the step with these drafts is predicted to save: its expected tokens at SD off's
+        seconds per token, less its own seconds (both charged to the decodes)."""
+        cost = state.cost_model()
+        n = len(ks)
+        off_s = cost.charged_seconds((0,) * n)
+        tokens = sum(r.acceptance.expected_emitted(k) for r, k in zip(state.requests, ks))
+        return tokens * off_s / n - cost.charged_seconds(ks)
 
     def _confident_drafts(self, state: PolicyState, ks: list[int]) -> tuple[list[int], ConfidenceStop]:
         """With drafts chosen for a model proposer: each request it drafts for may draft up to its

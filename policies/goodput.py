@@ -285,6 +285,9 @@ class GoodputPolicy:
     # turns it on.
     confidence_stop: bool = False
     requires: ClassVar[frozenset[str]] = frozenset({"latency"})
+    # Its choices are weighed in seconds, so the planner may weigh its own seconds against what
+    # they save, and stop planning while they do not pay (planner/pause.py).
+    weighs_planning_cost: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.min_relative_gain < 0:

@@ -231,6 +231,8 @@ class CalibrationRecorder:
         from specplan.planner.acceptance import match_bucket
 
         ks = self.planner.decide(view)
+        if not any(ks):  # a paused planner keeps no state for the step
+            return ks
         for rv, state, k in zip(view.requests, self.planner.last_state.requests, ks):
             if k:
                 self._pending[rv.seq_id] = (match_bucket(rv.match_length), state.acceptance.gains)
