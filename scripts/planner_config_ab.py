@@ -4,6 +4,7 @@ SD off and static k beside them. Arms alternate, their order rotated per round; 
 tokens must equal SD off's.
 
 Variants (``--variants``, comma-separated):
+  no-pause   ``PlannerConfig(pause=None)``: plan every step (planner/pause.py)
   no-settle  ``DraftSlopeConfig(settle_steps=0)``: learn draft prices from the decode steps right
              after a prefill too (planner/drift.py)
 
@@ -28,6 +29,7 @@ from specplan.profiler.profile import Profile
 
 MAX_TOKENS = 64
 VARIANTS = {  # PlannerConfig fields that differ from the shipped planner
+    "no-pause": {"pause": None},
     "no-settle": {"draft_slope": DraftSlopeConfig(settle_steps=0)},
 }
 SHIPPED = "goodput"

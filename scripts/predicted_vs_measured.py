@@ -38,6 +38,9 @@ class LoggingPlanner(Planner):
     def decide(self, view):
         ks = super().decide(view)
         state = self.last_state
+        self.pending = None
+        if state is None:  # a paused planner (planner/pause.py): nothing was predicted
+            return ks
         if self.force is not None:  # each request's cap; a lookup's drafts as found
             ks = [min(self.force, r.max_k, rv.available_drafts if rv.available_drafts is not None else r.max_k)
                   for r, rv in zip(state.requests, view.requests)]
