@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .drift import DraftSlope
+
 
 @dataclass(frozen=True)
 class PauseConfig:
@@ -54,10 +56,6 @@ class PauseConfig:
             raise ValueError("need window >= 1, first_pause >= 1 and max_pause >= first_pause")
         if self.min_decodes < 1:
             raise ValueError(f"min_decodes must be >= 1, got {self.min_decodes}")
-
-
-def _bucket(num_decodes: int) -> int:
-    return max(num_decodes, 1).bit_length()  # 1 -> 1, 2-3 -> 2, 4-7 -> 3, ... (as DraftSlope's)
 
 
 class PlanningPause:
@@ -79,7 +77,7 @@ class PlanningPause:
         """Whether ``step`` (the planner's step counter) is paused for a batch of ``num_decodes``."""
         if step > self._until:
             return False
-        if _bucket(num_decodes) != self._bucket:
+        if DraftSlope.bucket(num_decodes) != self._bucket:
             self._until = -1  # another batch size: plan again now
             return False
         self.paused_steps += 1
@@ -96,7 +94,7 @@ class PlanningPause:
         if self._steps < self.config.window:
             return
         if self._saved_s < self._spent_s:
-            self._until, self._bucket = step + self._length, _bucket(num_decodes)
+            self._until, self._bucket = step + self._length, DraftSlope.bucket(num_decodes)
             self._length = min(self.config.max_pause, 2 * self._length)
             self.pauses += 1
         else:
