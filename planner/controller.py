@@ -261,7 +261,7 @@ class Planner:
         n = outline.num_decodes
         if n == 0:
             return True
-        pause = self.pause
+        pause = self._pause_for(n)
         start = pause.clock() if pause is not None else 0.0
         self._screen_s = 0.0
         if pause is not None and pause.paused(self._step + 1, n):
@@ -293,6 +293,12 @@ class Planner:
             pause.planned(self._step, n, pause.clock() - start, 0.0)
         return False
 
+    def _pause_for(self, num_decodes: int) -> PlanningPause | None:
+        """The pause, where a step of this many decodes is weighed by it; None elsewhere (no clock
+        is read and no saving priced for a small step)."""
+        pause = self.pause
+        return pause if pause is not None and pause.weighs(num_decodes) else None
+
     def _answer_zeros(self, n: int) -> None:
         """Count a step whose n decodes are all given 0 without a decision (the screen, a pause)."""
         self._step += 1
@@ -303,7 +309,7 @@ class Planner:
         self.last_state, self.last_ks = None, [0] * n
 
     def decide(self, view: StepView) -> list[int]:
-        pause = self.pause
+        pause = self._pause_for(len(view.requests))
         start = pause.clock() if pause is not None else 0.0
         if pause is not None and pause.paused(self._step + 1, len(view.requests)):
             self._answer_zeros(len(view.requests))  # an engine that does not screen steps

@@ -73,6 +73,15 @@ class PlanningPause:
         self.paused_steps = 0  # steps answered by the pause (for reports)
         self.pauses = 0
 
+    def weighs(self, num_decodes: int) -> bool:
+        """Whether a step of this many decodes is timed and weighed at all. A smaller one is not
+        (the planner then spends nothing on the pause): it ends any pause and the window so far."""
+        if num_decodes >= self.config.min_decodes:
+            return True
+        self._until = -1
+        self._steps, self._saved_s, self._spent_s = 0, 0.0, 0.0  # a window is of large steps only
+        return False
+
     def paused(self, step: int, num_decodes: int) -> bool:
         """Whether ``step`` (the planner's step counter) is paused for a batch of ``num_decodes``."""
         if step > self._until:
@@ -85,8 +94,7 @@ class PlanningPause:
 
     def planned(self, step: int, num_decodes: int, spent_s: float, saved_s: float) -> None:
         """A step the planner planned: its own seconds, and what its drafts were predicted to save."""
-        if num_decodes < self.config.min_decodes:
-            self._steps, self._saved_s, self._spent_s = 0, 0.0, 0.0  # a window is of large steps only
+        if not self.weighs(num_decodes):
             return
         self._steps += 1
         self._spent_s += spent_s
