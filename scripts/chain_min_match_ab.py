@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from specplan.bench.evaluate import run_cell
+from specplan.bench.evaluate import rotated_rounds, run_cell
 from specplan.bench.workloads import load_workload
 from specplan.engine import FixedDecider, LLMEngine, load_model
 from specplan.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -64,17 +64,18 @@ def main() -> None:
         for e in engines.values():
             run_cell(e, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
         names = list(arms)
-        runs: dict[str, list[dict]] = {name: [] for name in names}
-        reference = None
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                m, make = arms[name]
-                x = run_cell(engines[m], prompts, make(), MAX_TOKENS, concurrency=args.batch)
-                outputs = x.pop("outputs")
-                reference = reference or outputs
-                if outputs != reference:
-                    raise SystemExit(f"{name}: tokens differ from the other arms'")
-                runs[name].append(x)
+        reference = []
+
+        def run(name: str) -> dict:
+            m, make = arms[name]
+            x = run_cell(engines[m], prompts, make(), MAX_TOKENS, concurrency=args.batch)
+            outputs = x.pop("outputs")
+            reference[:] = reference or [outputs]
+            if outputs != reference[0]:
+                raise SystemExit(f"{name}: tokens differ from the other arms'")
+            return x
+
+        runs = rotated_rounds(names, args.rounds, run)
         vs_off = {m: statistics.median(a["goodput"] / b["goodput"] for a, b in zip(runs[m], runs[off])) for m in names}
         acceptance = {m: statistics.median(x["acceptance"] for x in runs[m]) for m in names}
         print(f"{w} B={args.batch} x off: " + ", ".join(f"{m} {v:.3f}" for m, v in vs_off.items()), flush=True)

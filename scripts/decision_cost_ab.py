@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 
 import specplan.policies.goodput as goodput_module
-from specplan.bench.evaluate import _engine, cell_prompts, run_cell
+from specplan.bench.evaluate import _engine, add_cell_arguments, cell_prompts, rotated_rounds, run_cell
 from specplan.engine import FixedDecider, load_model
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy
@@ -47,12 +47,7 @@ def run_arm(arm: str, engine, prompts: list[str], profile: Profile, proposer: st
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", required=True)
-    ap.add_argument("--proposer", default="chain")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--workloads", default="gsm8k,mtbench")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quantize", default=None)
+    add_cell_arguments(ap)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     profile = Profile.load(args.profile)
@@ -62,10 +57,8 @@ def main() -> None:
     for workload in args.workloads.split(","):
         prompts = cell_prompts(loaded.tokenizer, workload, args.batch)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
-        runs = {arm: [] for arm in ARMS}
-        for r in range(args.rounds):
-            for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:
-                runs[arm].append(run_arm(arm, engine, prompts, profile, args.proposer, args.batch))
+        runs = rotated_rounds(list(ARMS), args.rounds,
+                              lambda arm: run_arm(arm, engine, prompts, profile, args.proposer, args.batch))
         same = all(x["outputs"] == runs["off"][0]["outputs"] for arm in ARMS for x in runs[arm])
         ratio = [p["goodput"] / q["goodput"] for p, q in zip(runs["python"], runs["numpy"])]
         line = {

@@ -20,7 +20,7 @@ import math
 import statistics
 from pathlib import Path
 
-from specplan.bench.evaluate import _engine, cell_prompts, run_cell
+from specplan.bench.evaluate import _engine, add_cell_arguments, cell_prompts, rotated_rounds, run_cell
 from specplan.engine import FixedDecider, load_model
 from specplan.planner import DraftSlopeConfig
 from specplan.planner.from_profile import planner_from_profile
@@ -49,14 +49,9 @@ def geo(xs) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", required=True)
-    ap.add_argument("--proposer", default="ngram")
-    ap.add_argument("--quantize", default=None)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--workloads", default="gsm8k,humaneval,mtbench,xsum")
+    add_cell_arguments(ap, proposer="ngram", workloads="gsm8k,humaneval,mtbench,xsum", rounds=5)
     ap.add_argument("--variants", default="no-settle")
     ap.add_argument("--static-ks", default="1,2")
-    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -72,11 +67,8 @@ def main() -> None:
     for workload in args.workloads.split(","):
         prompts = cell_prompts(loaded.tokenizer, workload, args.batch)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
-        runs = {arm: [] for arm in arms}
-        for r in range(args.rounds):
-            for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
-                runs[arm].append(run_cell(engine, prompts, decider_for(arm, profile, args.proposer), MAX_TOKENS,
-                                          concurrency=args.batch))
+        runs = rotated_rounds(arms, args.rounds, lambda arm: run_cell(
+            engine, prompts, decider_for(arm, profile, args.proposer), MAX_TOKENS, concurrency=args.batch))
         off = runs["static:0"]
         same = all(x["outputs"] == off[0]["outputs"] for arm in arms for x in runs[arm])
 

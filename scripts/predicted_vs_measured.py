@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from specplan.bench.evaluate import _engine, cell_prompts, run_cell
+from specplan.bench.evaluate import _engine, add_cell_arguments, cell_prompts, run_cell
 from specplan.engine import FixedDecider, load_model
 from specplan.planner.controller import Planner
 from specplan.planner.from_profile import planner_from_profile
@@ -59,13 +59,8 @@ class LoggingPlanner(Planner):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", required=True)
-    ap.add_argument("--proposer", default="chain")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--workloads", default="gsm8k,mtbench")
+    add_cell_arguments(ap, rounds=2)
     ap.add_argument("--static-k", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--quantize", default=None, help="as specplan evaluate's --quantize (gguf: the Q4_1 engine)")
     args = ap.parse_args()
     profile = Profile.load(args.profile)
     loaded = load_model(None, quantize=args.quantize)

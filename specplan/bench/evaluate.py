@@ -136,6 +136,28 @@ def cell_prompts(tokenizer, workload: str, batch: int, min_requests: int = 4) ->
     return [p.render(tokenizer) for p in load_workload(workload, n, 0)][:n]
 
 
+def add_cell_arguments(parser, *, proposer: str = "chain", workloads: str = "gsm8k,mtbench", rounds: int = 3) -> None:
+    """The options of the development scripts that run one closed-loop cell per workload:
+    --profile, --proposer, --batch, --workloads, --rounds, --quantize (as ``evaluate``'s)."""
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--proposer", default=proposer)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--workloads", default=workloads)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--quantize", default=None, help="as specplan evaluate's --quantize (gguf: the Q4_1 engine)")
+
+
+def rotated_rounds(arms: list[str], rounds: int, run: Callable[[str], dict]) -> dict[str, list[dict]]:
+    """{arm: [run(arm) per round]}: every arm once a round, the order rotated by one each round, so
+    a slow minute of the machine falls on every arm alike. Worked example, arms [a, b, c] and 3
+    rounds: a b c, then b c a, then c a b."""
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for r in range(rounds):
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+            runs[arm].append(run(arm))
+    return runs
+
+
 def held_out_prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
     """n rendered prompts of a workload that the evaluation does not use (it draws
     EVALUATION_POOL with seed 0): for measurements that set the planner's priors."""
