@@ -44,22 +44,34 @@ class TimingConfig:
 
 
 def solve3(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting for a 3x3 system (well-conditioned by the ridge)."""
-    m = [row[:] + [v] for row, v in zip(a, b)]
-    for c in range(3):
-        p = c  # the first row of largest |m[r][c]| (a loop: the planner solves two of these a step)
-        for r in range(c + 1, 3):
-            if abs(m[r][c]) > abs(m[p][c]):
-                p = r
-        m[c], m[p] = m[p], m[c]
-        for r in range(c + 1, 3):
-            f = m[r][c] / m[c][c]
-            for j in range(c, 4):
-                m[r][j] -= f * m[c][j]
-    x = [0.0, 0.0, 0.0]
-    for c in (2, 1, 0):
-        x[c] = (m[c][3] - sum(m[c][j] * x[j] for j in range(c + 1, 3))) / m[c][c]
-    return x
+    """Gaussian elimination with partial pivoting for a 3x3 system (well-conditioned by the ridge).
+
+    Written out row by row (the planner solves two of these every step, and the loops over lists
+    were most of their cost), with the float operations of the textbook loops in the same order:
+    the pivot is the first row of largest |a[r][c]|; each lower row r loses f = a[r][c] / a[c][c]
+    times the pivot row; back substitution subtracts left to right."""
+    r0, r1, r2 = (*a[0], b[0]), (*a[1], b[1]), (*a[2], b[2])
+    # Column 0.
+    if abs(r1[0]) > abs(r0[0]):
+        r0, r1 = r1, r0
+    if abs(r2[0]) > abs(r0[0]):
+        r0, r2 = r2, r0
+    p00, p01, p02, p03 = r0
+    f = r1[0] / p00
+    r1 = (0.0, r1[1] - f * p01, r1[2] - f * p02, r1[3] - f * p03)
+    f = r2[0] / p00
+    r2 = (0.0, r2[1] - f * p01, r2[2] - f * p02, r2[3] - f * p03)
+    # Column 1.
+    if abs(r2[1]) > abs(r1[1]):
+        r1, r2 = r2, r1
+    _, p11, p12, p13 = r1
+    f = r2[1] / p11
+    m22, m23 = r2[2] - f * p12, r2[3] - f * p13
+    # Back substitution.
+    x2 = m23 / m22
+    x1 = (p13 - p12 * x2) / p11
+    x0 = (p03 - (p01 * x1 + p02 * x2)) / p00
+    return [x0, x1, x2]
 
 
 class StepTimingLearner:

@@ -190,7 +190,19 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     # SLA bounds the whole step. Both differ by the constant ``shared``, so the search runs on
     # charged seconds against an SLA lowered by it.
     shared = cost.shared_s
-    cost.target_seconds_list(sum(caps))  # every total of drafts priced at once, kept
+    # Request i's candidate drafts: its gains up to its cap, without the zero gains at the end
+    # (a lookup's estimate has gains 0 past the drafts it found: [g1, g2, 0, 0, ...]). A draft that
+    # adds no token and some time never raises goodput, so leaving them out changes no answer,
+    # and at B = 4 with 8-wide rows it is most of the candidates the search sorts and prices.
+    rows = [e.gains for e in estimates]
+    width = len(rows[0])
+    lengths = []
+    for c, g in zip(caps, rows):
+        n = max(0, min(c, len(g)))
+        while n and g[n - 1] <= 0.0:
+            n -= 1
+        lengths.append(n)
+    cost.target_seconds_list(sum(lengths))  # every total of drafts priced at once, kept
     off_s = cost.charged_seconds(zeros)
     off_goodput = num / off_s
     sla_s = sla_itl_s - shared if sla_itl_s is not None else None
@@ -200,11 +212,6 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
     # than off" matters more than a sliver of predicted gain.
     floor = off_goodput * (1.0 + min_relative_gain)
 
-    # Request i's gains, padded with -1 past its cap (gains are >= 0, so padding sorts last and
-    # is cut off): [num, deepest].
-    rows = [e.gains for e in estimates]
-    width = len(rows[0])
-    lengths = [max(0, min(c, len(g))) for c, g in zip(caps, rows)]
     deepest = max(lengths)
     if deepest == 0:
         return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
@@ -224,6 +231,8 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
         if not ks:
             return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
         return Allocation(ks, goodput, cost.seconds(ks), off_goodput)
+    # Request i's gains, padded with -1 past its length (gains are >= 0, so padding sorts last
+    # and is cut off): [num, deepest].
     if all(len(g) == width for g in rows):  # the planner's estimates: one length, max_k
         table = np.array(rows, dtype=float)[:, :deepest]  # [num, deepest]
         table[np.arange(deepest) >= np.array(lengths)[:, None]] = -1.0

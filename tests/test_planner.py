@@ -157,6 +157,45 @@ def test_the_few_drafts_search_matches_the_vectorised_one(seed, monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_zero_gains_past_a_lookups_drafts_change_no_allocation(seed):
+    """A lookup's estimate has gains 0 past the drafts it found; ``allocate`` leaves those out of
+    its search. Capping every request at what its lookup found instead must give the very same
+    allocation (drafts that add no token never raise goodput), on random problems at B = 1-8."""
+    rng = random.Random(seed)
+    handed_out = 0
+    for _ in range(80):
+        num = rng.randint(1, 8)
+        found = [rng.randint(0, 8) for _ in range(num)]
+        estimates = [AcceptanceEstimate(rng.random(), exact_length(n, 8), rng.random()) for n in found]
+        latency = RidgeLatency(a=0.01, b=rng.choice((0.0, 0.0004, 0.002)), c=1e-7, ridge_tokens=rng.randint(1, 12))
+        cost = cost_for(latency, num, overhead=rng.choice((0.0, 5e-4)))
+        options = dict(sla_itl_s=rng.choice((None, 0.0125)), min_relative_gain=0.02,
+                       max_total_drafts=rng.choice((None, rng.randint(0, 10))))
+        wide = allocate(estimates, [8] * num, dataclasses.replace(cost), **options)
+        assert wide == allocate(estimates, found, dataclasses.replace(cost), **options)
+        handed_out += wide.total_drafts > 0
+    assert handed_out >= 20
+
+
+def test_solve3_matches_a_general_solver_and_pivots():
+    """The planner's 3x3 solver (planner/timing.py, written out row by row) against numpy, on
+    random systems and on ones that need a row swap at each column (a zero pivot otherwise)."""
+    import numpy as np
+
+    from specplan.planner.timing import solve3
+
+    rng = random.Random(0)
+    systems = [([[rng.uniform(-3, 3) for _ in range(3)] for _ in range(3)], [rng.uniform(-3, 3) for _ in range(3)])
+               for _ in range(200)]
+    systems.append(([[0.0, 2.0, 1.0], [1.0, 1.0, 0.0], [3.0, 0.0, 1.0]], [1.0, 2.0, 3.0]))
+    systems.append(([[1.0, 1.0, 1.0], [1.0, 1.0, 2.0], [2.0, 3.0, 1.0]], [3.0, 4.0, 6.0]))  # column 1 pivots after column 0
+    for a, b in systems:
+        if abs(np.linalg.det(np.array(a))) < 1e-3:
+            continue
+        assert solve3(a, b) == pytest.approx(np.linalg.solve(np.array(a), np.array(b)).tolist(), rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_the_screen_answers_the_same_in_plain_python_and_numpy(seed, monkeypatch):
     """``any_draft_pays`` (the planner's screen) searches small problems as ``allocate`` does, in
     plain Python; on random steps, with and without a per-pass draft cost, an SLA and a draft
