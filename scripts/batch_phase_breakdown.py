@@ -9,7 +9,7 @@ the cell: if it drafts for some requests much more than for others (a request wh
 its prompt), those finish first and the rest run on in a smaller, less efficient batch, a drain a
 server with a queue would refill.
 
-    python scripts/batch_phase_breakdown.py --profile P.json --workload mtbench --batch 4 --static-k 1 --rounds 2
+    python scripts/batch_phase_breakdown.py --profile P.json --workload mtbench --batch 4 --static-k 0,1 --rounds 2
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--profile", required=True)
     ap.add_argument("--workload", default="mtbench")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--static-k", type=int, default=1)
+    ap.add_argument("--static-k", default="1", help="static k's run beside the policy, comma-separated (e.g. 0,1)")
     ap.add_argument("--policy", default="goodput")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--proposer", default="chain")
@@ -77,9 +77,9 @@ def main() -> None:
     run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
     results = []
     for r in range(args.rounds):
-        for name in (f"static:{args.static_k}", args.policy):
+        for name in [f"static:{k}" for k in args.static_k.split(",")] + [args.policy]:
             if name.startswith("static:"):
-                decider = LoggedStatic(args.static_k)
+                decider = LoggedStatic(int(name.removeprefix("static:")))
             else:
                 decider = planner_from_profile(profile, make_policy(name), proposer=args.proposer, max_k=8)
                 decider.__class__ = LoggedPlanner

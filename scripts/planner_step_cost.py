@@ -8,6 +8,7 @@ beside it, and the same trace can be replayed by another checkout (``--trace``: 
 missing, read if present; plain pickles of the engine's view and record dataclasses).
 
     python scripts/planner_step_cost.py --quantize gguf --trace /tmp/b1.pkl --repeats 5 [--flush-mib 64]
+    python scripts/planner_step_cost.py --batch 4 --trace /tmp/b4.pkl --decisions /tmp/b4-answers.json [--cprofile]
 
 Hot (the default), the planner's objects and code stay in the caches from one step to the next;
 in the engine the forward pass between two steps streams ~100 MB of weights and evicts them, and
@@ -17,6 +18,7 @@ the same calls cost ~2.3x as much (``--flush-mib 64`` reads 64 MiB before each s
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import statistics
 import time
@@ -36,15 +38,16 @@ def fresh_planner(profile: Profile):
     return planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=8)
 
 
-def record_trace(profile: Profile, quantize: str, max_tokens: int) -> list[tuple[str, object]]:
-    """[(kind, argument)]: every call the engine made on the planner, one request per workload
-    (kind "new" between them: the replay starts a fresh planner there, as each request had)."""
+def record_trace(profile: Profile, quantize: str, max_tokens: int, batch: int = 1) -> list[tuple[str, object]]:
+    """[(kind, argument)]: every call the engine made on the planner, one cell per workload (kind
+    "new" between them: the replay starts a fresh planner there, as each cell had). ``batch``: 1,
+    one cold request per workload; B > 1, the evaluation's closed-loop cell at concurrency B."""
     from specplan.bench.coldstart import B1_KV_CACHE_MIB, WARMUP_PROMPT, _prompts
-    from specplan.bench.evaluate import _engine, run_cell
+    from specplan.bench.evaluate import _engine, cell_prompts, run_cell
     from specplan.engine import FixedDecider, load_model
 
     loaded = load_model(None, quantize=quantize)
-    engine = _engine(loaded, "ngram", 1, 8, kv_cache_mib=B1_KV_CACHE_MIB)
+    engine = _engine(loaded, "ngram", batch, 8, **({"kv_cache_mib": B1_KV_CACHE_MIB} if batch == 1 else {}))
     run_cell(engine, [loaded.tokenizer.encode(WARMUP_PROMPT)], FixedDecider(0), 8, concurrency=1)
     trace: list[tuple[str, object]] = []
     for workload in WORKLOADS:
@@ -52,15 +55,19 @@ def record_trace(profile: Profile, quantize: str, max_tokens: int) -> list[tuple
         for kind, name in (("screen", "may_speculate"), ("decide", "decide"), ("observe", "observe")):
             method = getattr(planner, name)
             setattr(planner, name, lambda x, method=method, kind=kind: (trace.append((kind, x)), method(x))[1])
-        run_cell(engine, [_prompts(loaded, workload, 1)[0]], planner, max_tokens, concurrency=1)
+        prompts = [_prompts(loaded, workload, 1)[0]] if batch == 1 else cell_prompts(loaded.tokenizer, workload, batch)
+        run_cell(engine, prompts, planner, max_tokens, concurrency=batch)
         trace.append(("new", workload))
     return trace
 
 
-def replay(profile: Profile, trace: list[tuple[str, object]], flush_mib: int = 0) -> dict[str, float]:
+def replay(profile: Profile, trace: list[tuple[str, object]], flush_mib: int = 0,
+           decisions: list | None = None) -> dict[str, float]:
     """Microseconds per call of each kind over one replay of the trace. ``flush_mib``: read that
     many MiB before each step's first call, as the forward pass streams the weights between two
-    steps of the engine (its caches hold none of the planner's objects or code then)."""
+    steps of the engine (its caches hold none of the planner's objects or code then).
+    ``decisions``: a list to append every screen's and decision's answer to (two source trees
+    that replay one trace must answer alike, whatever either costs)."""
     spent = dict.fromkeys(KINDS, 0.0)
     calls = dict.fromkeys(KINDS, 0)
     planner = fresh_planner(profile)
@@ -75,8 +82,10 @@ def replay(profile: Profile, trace: list[tuple[str, object]], flush_mib: int = 0
             kind = "decide, drafts" if any(r.max_k for r in arg.requests) else "decide, no draft"
         call = planner.may_speculate if kind == "screen" else planner.observe if kind == "observe" else planner.decide
         t0 = time.perf_counter()
-        call(arg)
+        answer = call(arg)
         spent[kind] += time.perf_counter() - t0
+        if decisions is not None and kind != "observe":
+            decisions.append(answer)
         calls[kind] += 1
     return {k: spent[k] / calls[k] * 1e6 if calls[k] else 0.0 for k in KINDS} | {"calls": calls}
 
@@ -87,6 +96,11 @@ def main() -> None:
     parser.add_argument("--quantize", default="gguf", help="the engine's weights when recording (default gguf)")
     parser.add_argument("--trace", type=Path, help="trace file: replayed if it exists, else recorded there")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="when recording: 1, a cold request per workload; B > 1, the evaluation's cell at concurrency B")
+    parser.add_argument("--decisions", type=Path,
+                        help="a JSON of the replay's answers: written if missing, else compared (same trace, another tree)")
+    parser.add_argument("--cprofile", action="store_true", help="print the replay's top functions by own time")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--flush-mib", type=int, default=0,
                         help="read this many MiB before each step (64: as after a forward pass; the in-engine cost)")
@@ -101,9 +115,26 @@ def main() -> None:
     if args.trace and args.trace.exists():
         trace = pickle.loads(args.trace.read_bytes())
     else:
-        trace = record_trace(profile, args.quantize, args.max_tokens)
+        trace = record_trace(profile, args.quantize, args.max_tokens, args.batch)
         if args.trace:
             args.trace.write_bytes(pickle.dumps(trace))
+    answers: list = []
+    replay(profile, trace, decisions=answers)
+    if args.decisions is not None:
+        if args.decisions.exists():
+            same = json.loads(args.decisions.read_text()) == json.loads(json.dumps(answers))
+            print(f"answers equal to {args.decisions}: {same}")
+        else:
+            args.decisions.write_text(json.dumps(answers))
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        replay(profile, trace, args.flush_mib)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     runs = [replay(profile, trace, args.flush_mib) for _ in range(args.repeats)]
     calls = runs[0]["calls"]
     steps = calls["observe"]
