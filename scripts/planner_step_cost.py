@@ -1,8 +1,9 @@
-"""What the planner costs per B = 1 engine step, by call: the screen (``may_speculate``), ``decide``
-on a step where no draft is possible, ``decide`` where the lookup found drafts, and ``observe``.
+"""What the planner costs per engine step, by call: the screen (``may_speculate``), ``decide`` on a
+step where no draft is possible, ``decide`` where the lookup found drafts, and ``observe``.
 
 It records what the engine hands the planner over one cold request of each workload (the
-evaluation's first prompt, 128 tokens, n-gram, greedy, goodput policy), then replays that trace
+evaluation's first prompt, 128 tokens, n-gram, greedy, goodput policy; with ``--batch B``, the
+evaluation's closed-loop cell of each workload at concurrency B instead), then replays that trace
 through fresh planners, so the planner's time is measured alone, without the forward pass
 beside it, and the same trace can be replayed by another checkout (``--trace``: written if
 missing, read if present; plain pickles of the engine's view and record dataclasses).
