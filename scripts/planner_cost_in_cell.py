@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from specplan.bench.evaluate import _engine, add_cell_arguments, cell_prompts, run_cell
+from specplan.bench.evaluate import _engine, add_cell_arguments, cell_prompts, rotated_rounds, run_cell
 from specplan.engine import FixedDecider, load_model
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy
@@ -99,31 +99,35 @@ def main() -> None:
     for workload in args.workloads.split(","):
         prompts = cell_prompts(loaded.tokenizer, workload, args.batch)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
-        goodput: dict[str, list[float]] = {arm: [] for arm in rotating + ["replay"]}
         spent = dict.fromkeys(CALLS, 0.0)
         steps = 0
         reference = None
-        for r in range(args.rounds):
-            recording = None
-            for arm in rotating[r % len(rotating):] + rotating[:r % len(rotating)]:
-                arms = [arm, "replay"] if arm == "goodput" else [arm]
-                for name in arms:
-                    if name == "goodput":
-                        decider = recording = Recording(planner_from_profile(
-                            profile, make_policy("goodput"), proposer=args.proposer, max_k=8))
-                    elif name == "replay":
-                        decider = Replaying(recording.answers)
-                    else:
-                        decider = FixedDecider(int(name.split(":")[1]))
-                    x = run_cell(engine, prompts, decider, MAX_TOKENS, concurrency=args.batch)
-                    outputs = x.pop("outputs")
-                    reference = reference or outputs
-                    if outputs != reference:
-                        raise RuntimeError(f"{name} changed the output tokens ({workload}, round {r})")
-                    goodput[name].append(x["goodput"])
+
+        def run(name: str, decider) -> float:
+            nonlocal reference
+            x = run_cell(engine, prompts, decider, MAX_TOKENS, concurrency=args.batch)
+            outputs = x.pop("outputs")
+            reference = reference or outputs
+            if outputs != reference:
+                raise RuntimeError(f"{name} changed the output tokens ({workload})")
+            return x["goodput"]
+
+        replayed: list[float] = []
+
+        def run_arm(arm: str) -> float:
+            nonlocal steps
+            if arm != "goodput":
+                return run(arm, FixedDecider(int(arm.split(":")[1])))
+            recording = Recording(planner_from_profile(profile, make_policy("goodput"), proposer=args.proposer,
+                                                       max_k=8))
+            tok_s = run(arm, recording)
+            replayed.append(run("replay", Replaying(recording.answers)))  # right after the planner it replays
             for name in CALLS:
                 spent[name] += recording.seconds[name]
             steps += recording.steps
+            return tok_s
+
+        goodput = rotated_rounds(rotating, args.rounds, run_arm) | {"replay": replayed}
 
         def paired(a: str, b: str) -> float:
             return statistics.median(x / y for x, y in zip(goodput[a], goodput[b]))
