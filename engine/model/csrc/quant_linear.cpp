@@ -104,7 +104,9 @@ constexpr int64_t kRowsPerQuantTask = 16;
 // after another, so this runs ahead into its next panels. The hardware prefetcher alone left a
 // decode step's products at ~half the bandwidth a plain read reaches on 2 threads (Intel Xeon,
 // AVX-512: 30 layers' Q4_1 projections at M = 1 in 7.1-9.0 ms, with it 5.1-6.9; 4 KB read best
-// of 1, 2 and 4 KB).
+// of 1, 2 and 4 KB). The hint is T0: NTA, tried so that the weights streamed through would not
+// evict the planner's and scheduler's Python between steps, made the B = 1 closed cells on that
+// VM 2.5x slower (97 vs 250 tok/s SD off, 2026-11-29).
 constexpr int64_t kPrefetchBytes = 4096;
 
 // x quantised per block of 32: q [M, K] int8, d [M, KB] scales, qsum [M, KB] = sum(q), s [M, KB]
