@@ -1,5 +1,5 @@
 """The goodput planner as it ships against variants of its configuration, paired in one process on
-the evaluation's closed-loop cells (max(B, 4) requests of one workload, 64 tokens, greedy), with
+the evaluation's closed-loop cells (max(B, --requests) requests of one workload, 64 tokens, greedy), with
 SD off and static k beside them. Arms alternate, their order rotated per round; every arm's
 tokens must equal SD off's.
 
@@ -7,6 +7,9 @@ Variants (``--variants``, comma-separated):
   no-pause   ``PlannerConfig(pause=None)``: plan every step (planner/pause.py)
   no-settle  ``DraftSlopeConfig(settle_steps=0)``: learn draft prices from the decode steps right
              after a prefill too (planner/drift.py)
+  no-explore the goodput policy with ``explore_budget=0``: no probe where its choice is off
+             (policies/goodput.py)
+  again      the shipped planner a second time: the null control of the comparison
 
     python scripts/planner_config_ab.py --quantize gguf --profile reports/profile-xeon-q4_1/profile.json \\
         --proposer ngram --batch 4 --variants no-settle --static-ks 1,2 --rounds 5 --out reports/planner-ab/q4_1-b4.json
@@ -25,12 +28,15 @@ from specplan.engine import FixedDecider, load_model
 from specplan.planner import DraftSlopeConfig
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy
+from specplan.policies.goodput import GoodputPolicy
 from specplan.profiler.profile import Profile
 
 MAX_TOKENS = 64
 VARIANTS = {  # PlannerConfig fields that differ from the shipped planner
     "no-pause": {"pause": None},
     "no-settle": {"draft_slope": DraftSlopeConfig(settle_steps=0)},
+    "no-explore": {"policy": GoodputPolicy(explore_budget=0.0)},
+    "again": {},
 }
 SHIPPED = "goodput"
 
@@ -38,8 +44,9 @@ SHIPPED = "goodput"
 def decider_for(arm: str, profile: Profile, proposer: str):
     if arm.startswith("static:"):
         return FixedDecider(int(arm.split(":")[1]))
-    options = VARIANTS.get(arm, {})
-    return planner_from_profile(profile, make_policy("goodput"), proposer=proposer, max_k=8, **options)
+    options = dict(VARIANTS.get(arm, {}))
+    policy = options.pop("policy", None) or make_policy("goodput")
+    return planner_from_profile(profile, policy, proposer=proposer, max_k=8, **options)
 
 
 def geo(xs) -> float:
@@ -53,6 +60,7 @@ def main() -> None:
     ap.add_argument("--variants", default="no-settle")
     ap.add_argument("--static-ks", default="1,2")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--requests", type=int, default=4, help="requests a cell at least (evaluate's --min-requests)")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
@@ -65,7 +73,7 @@ def main() -> None:
     arms = statics + [SHIPPED] + variants
     report = {}
     for workload in args.workloads.split(","):
-        prompts = cell_prompts(loaded.tokenizer, workload, args.batch)
+        prompts = cell_prompts(loaded.tokenizer, workload, args.batch, min_requests=args.requests)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
         runs = rotated_rounds(arms, args.rounds, lambda arm: run_cell(
             engine, prompts, decider_for(arm, profile, args.proposer), MAX_TOKENS, concurrency=args.batch))
@@ -101,7 +109,8 @@ def main() -> None:
     print("geo-mean over cells: " + json.dumps(summary), flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"batch": args.batch, "proposer": args.proposer, "quantize": args.quantize,
+        args.out.write_text(json.dumps({"batch": args.batch, "requests": args.requests, "proposer": args.proposer,
+                                        "quantize": args.quantize,
                                         "profile": args.profile, "rounds": args.rounds, "variants": variants,
                                         "geo_mean": summary, "workloads": report}, indent=1))
 
