@@ -32,10 +32,12 @@ from specplan.policies.goodput import GoodputPolicy
 from specplan.profiler.profile import Profile
 
 MAX_TOKENS = 64
-VARIANTS = {  # PlannerConfig fields that differ from the shipped planner
+# PlannerConfig fields that differ from the shipped planner, and "policy": a maker of the rule
+# (each planner gets its own, as Planner asks).
+VARIANTS = {
     "no-pause": {"pause": None},
     "no-settle": {"draft_slope": DraftSlopeConfig(settle_steps=0)},
-    "no-explore": {"policy": GoodputPolicy(explore_budget=0.0)},
+    "no-explore": {"policy": lambda: GoodputPolicy(explore_budget=0.0)},
     "again": {},
 }
 SHIPPED = "goodput"
@@ -45,7 +47,7 @@ def decider_for(arm: str, profile: Profile, proposer: str):
     if arm.startswith("static:"):
         return FixedDecider(int(arm.split(":")[1]))
     options = dict(VARIANTS.get(arm, {}))
-    policy = options.pop("policy", None) or make_policy("goodput")
+    policy = options.pop("policy", lambda: make_policy("goodput"))()
     return planner_from_profile(profile, policy, proposer=proposer, max_k=8, **options)
 
 
