@@ -12,27 +12,30 @@ draft counts (unequal blocks) cost 2.1-2.3 ms and even ones 1.1-1.3. With every 
 4 KB chunk in turn (c22423e): B=16 +0.97 ms for the first draft (profile 0.70), +9.0 for 16
 (profile 11.3); B=8 +0.4-0.9 for 1-3 drafts, +2.1 for 8.
 
-A development benchmark: `.venv/bin/python scripts/bench_mixed_drafts.py [B] [rounds] [all]` from
-the repo root, on a quiet machine (uses the cached profile, or measures a quick one); `all` times
-every n from 0 to B + 1 instead of 0, 1, 2, 4, B/2 and B."""
+A development benchmark: `.venv/bin/python scripts/bench_mixed_drafts.py [B] [rounds] [all]
+[--quantize gguf] [--profile P.json]` from the repo root, on a quiet machine (the profile given, else
+the cached one, or a quick one measured); `all` times every n from 0 to B + 1 instead of 0, 1, 2,
+4, B/2 and B."""
+import argparse
 import random
 import statistics
-import sys
 
 import torch
 
 from specplan.adaptive import load_or_make_profile
 from specplan.engine import load_model
 from specplan.profiler.latency_model import StepShape
+from specplan.profiler.profile import Profile
 from specplan.profiler.step_timer import StepTimer, timing_engine
 
 CONTEXT = 256
 STEPS_PER_CELL = 3  # timed after one untimed step of the same shape
 
 
-def main(batch_size: int, rounds: int, every_count: bool = False) -> None:
-    loaded = load_model(None)
-    latency = load_or_make_profile(loaded, None).model()
+def main(batch_size: int, rounds: int, every_count: bool = False, quantize: str | None = None,
+         profile: str | None = None) -> None:
+    loaded = load_model(None, quantize=quantize)
+    latency = (Profile.load(profile) if profile else load_or_make_profile(loaded, None)).model()
     engine = timing_engine(loaded, max_batch=batch_size, max_tokens_per_seq=2, context=CONTEXT)
     timer = StepTimer(engine)  # its proposer drafts random tokens: rejected, so a step adds one token
     decider = timer.decider
@@ -79,6 +82,12 @@ def main(batch_size: int, rounds: int, every_count: bool = False) -> None:
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("batch", nargs="?", type=int, default=16)
+    ap.add_argument("rounds", nargs="?", type=int, default=40)
+    ap.add_argument("every", nargs="?", choices=["all"], default=None)
+    ap.add_argument("--quantize", default=None, help="as specplan evaluate's --quantize (gguf: the Q4_1 engine)")
+    ap.add_argument("--profile", default=None)
+    args = ap.parse_args()
     with torch.inference_mode():
-        main(int(sys.argv[1]) if len(sys.argv) > 1 else 16, int(sys.argv[2]) if len(sys.argv) > 2 else 40,
-             len(sys.argv) > 3 and sys.argv[3] == "all")
+        main(args.batch, args.rounds, args.every == "all", args.quantize, args.profile)

@@ -12,7 +12,7 @@ each forward pass). Arms other than the replay rotate their order each round; th
 runs right after the planner it replays.
 
     python scripts/planner_cost_in_cell.py --quantize gguf --profile reports/profile-xeon-q4_1/profile.json \\
-        --proposer ngram --batch 4 --rounds 5 [--out FILE.json]
+        --proposer ngram --batch 4 --rounds 5 [--requests 16] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_cell_arguments(ap, proposer="ngram", workloads="gsm8k,humaneval,mtbench,xsum", rounds=5)
     ap.add_argument("--static-ks", default="1")
+    ap.add_argument("--requests", type=int, default=4, help="requests a cell at least (evaluate's --min-requests)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     profile = Profile.load(args.profile)
@@ -97,7 +98,7 @@ def main() -> None:
     rotating = ["static:0"] + [f"static:{k}" for k in args.static_ks.split(",") if k] + ["goodput"]
     results = {}
     for workload in args.workloads.split(","):
-        prompts = cell_prompts(loaded.tokenizer, workload, args.batch)
+        prompts = cell_prompts(loaded.tokenizer, workload, args.batch, min_requests=args.requests)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
         spent = dict.fromkeys(CALLS, 0.0)
         steps = 0
