@@ -98,9 +98,7 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
         f"- the analytic intensity of a decode step (T=1, context {ctx0}) passes the ridge at "
         f"B·T = {crossing} tokens per step" if crossing else "- the ridge is not reached below 4096 tokens per step",
         "", "## Latency model", "",
-        f"Fitted form: convex piecewise-linear in tokens per step + KV tokens + sequences + query tokens x context per sequence"
-        + (", times the grid's measured / fitted ratio per batch size and tokens per sequence" if "correction" in profile.latency_model else "")
-        + " (profiler/fit.py). "
+        f"Fitted form: convex piecewise-linear in tokens per step + KV tokens + sequences + query tokens x context per sequence (profiler/fit.py). "
         f"Error on {f.num_heldout} held-out cells: **{f.heldout_mape:.1f}%** MAPE (train {f.train_mape:.1f}%); "
         f"the pure roofline prediction: {f.roofline_mape:.1f}%.",
         "", "Drafting cost per proposer:", "",

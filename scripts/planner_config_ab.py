@@ -9,8 +9,6 @@ Variants (``--variants``, comma-separated):
              after a prefill too (planner/drift.py)
   no-explore the goodput policy with ``explore_budget=0``: no probe where its choice is off
              (policies/goodput.py)
-  uncorrected the profile's latency fit without its grid correction (profiler/fit.py
-             ``GridCorrection``): the curve alone, as profiles made before it priced steps
   again      the shipped planner a second time: the null control of the comparison
 
     python scripts/planner_config_ab.py --quantize gguf --profile reports/profile-xeon-q4_1/profile.json \\
@@ -34,14 +32,12 @@ from specplan.policies.goodput import GoodputPolicy
 from specplan.profiler.profile import Profile
 
 MAX_TOKENS = 64
-# PlannerConfig fields that differ from the shipped planner, "policy": a maker of the rule (each
-# planner gets its own, as Planner asks), and "profile": what the variant makes of the profile.
+# PlannerConfig fields that differ from the shipped planner, and "policy": a maker of the rule
+# (each planner gets its own, as Planner asks).
 VARIANTS = {
     "no-pause": {"pause": None},
     "no-settle": {"draft_slope": DraftSlopeConfig(settle_steps=0)},
     "no-explore": {"policy": lambda: GoodputPolicy(explore_budget=0.0)},
-    "uncorrected": {"profile": lambda p: p.model_copy(update={"latency_model": {
-        k: v for k, v in p.latency_model.items() if k != "correction"}})},
     "again": {},
 }
 SHIPPED = "goodput"
@@ -52,7 +48,6 @@ def decider_for(arm: str, profile: Profile, proposer: str):
         return FixedDecider(int(arm.split(":")[1]))
     options = dict(VARIANTS.get(arm, {}))
     policy = options.pop("policy", lambda: make_policy("goodput"))()
-    profile = options.pop("profile", lambda p: p)(profile)
     return planner_from_profile(profile, policy, proposer=proposer, max_k=8, **options)
 
 

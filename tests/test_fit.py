@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import numpy as np
 import pytest
 
-from specplan.profiler.fit import GridCorrection, HingeLatencyModel, fit_latency_model, heldout_error, mape
+from specplan.profiler.fit import HingeLatencyModel, fit_latency_model, heldout_error, mape
 from specplan.profiler.latency_model import StepShape
 
 
@@ -109,82 +108,3 @@ def test_predict_added_is_predict_many_in_plain_python(seed):
         n = np.arange(count + 1)
         expected = model.predict_many(base.num_seqs, base.num_tokens + n, base.context_tokens + n).tolist()
         assert model.predict_added(base, count) == expected
-
-
-def random_correction(rng: random.Random) -> GridCorrection:
-    sizes = tuple(sorted(rng.sample([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], rng.randint(1, 6))))
-    columns = tuple(sorted(rng.sample([1.0, 2.0, 3.0, 5.0, 9.0], rng.randint(1, 5))))
-    return GridCorrection(sizes, columns, tuple(tuple(rng.uniform(0.7, 1.3) for _ in columns) for _ in sizes))
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_corrected_predict_added_is_predict_many_in_plain_python(seed):
-    # The same identity with the grid correction: its factor per step in plain Python is the very
-    # float np.interp gives, at grid columns, between them and past both ends.
-    rng = random.Random(100 + seed)
-    model = dataclasses.replace(random_model(rng), correction=random_correction(rng))
-    for _ in range(50):
-        base = StepShape(rng.randint(1, 64), rng.randint(0, 300), rng.randint(0, 20_000))
-        count = rng.randint(0, 200)
-        n = np.arange(count + 1)
-        expected = model.predict_many(base.num_seqs, base.num_tokens + n, base.context_tokens + n).tolist()
-        assert model.predict_added(base, count) == expected
-        one = [model.predict(StepShape(base.num_seqs, base.num_tokens + i, base.context_tokens + i)) for i in range(count + 1)]
-        assert expected == pytest.approx(one, rel=1e-12, abs=1e-15)
-
-
-def test_correction_interpolates_its_table():
-    # The class docstring's worked example.
-    c = GridCorrection((1.0, 4.0), (1.0, 2.0), ((1.0, 1.0), (1.1, 0.9)))
-    assert c.factor(4, 5) == pytest.approx(1.05)
-    assert c.factor(2, 2) == pytest.approx(1.05) and c.factor(2, 4) == pytest.approx(0.95)
-    assert c.factor(64, 64 * 7) == pytest.approx(0.9)  # past both edges: the nearest corner
-    assert c.factor(1, 1) == 1.0
-    with pytest.raises(ValueError, match="ascending"):
-        GridCorrection((4.0, 1.0), (1.0,), ((1.0,), (1.0,)))
-    with pytest.raises(ValueError, match="> 0"):
-        GridCorrection((1.0,), (1.0,), ((0.0,),))
-
-
-def staircase(shape: StepShape) -> float:
-    """A CPU kernel's row blocks: every 8 query tokens start another block of 1 ms, over a 5 ms
-    weight read; attention by context."""
-    return 0.005 + 0.001 * ((shape.num_tokens - 1) // 8) + 2e-7 * shape.context_tokens
-
-
-def staircase_grid():
-    shapes = [StepShape(b, b * t, b * (ctx + t)) for b in (1, 2, 4, 8, 16, 32) for t in (1, 2, 3, 5, 9)
-              for ctx in (128, 512)]
-    return shapes, [staircase(s) for s in shapes]
-
-
-def test_correction_prices_drafts_as_the_grid_measured_them():
-    # At B = 4 a draft adds nothing up to 8 rows on the staircase; the convex fit alone prices it
-    # dearly, the corrected model reads the grid's own cells (4 and 8 rows) and the line between.
-    shapes, secs = staircase_grid()
-    plain = fit_latency_model(shapes, secs, correct=False)
-    corrected = fit_latency_model(shapes, secs)
-    assert plain.correction is None and corrected.correction is not None
-    assert mape([corrected.predict(s) for s in shapes], secs) < 0.5 * mape([plain.predict(s) for s in shapes], secs)
-
-    def added(model, drafts):
-        base = StepShape(4, 4, 4 * 300)
-        return model.predict(StepShape(4, 4 + drafts, 4 * 300 + drafts)) - model.predict(base)
-
-    truth = staircase(StepShape(4, 8, 1204)) - staircase(StepShape(4, 4, 1200))  # 4 drafts: still one block
-    assert abs(added(corrected, 4) - truth) < 0.25 * abs(added(plain, 4) - truth)
-    assert abs(added(corrected, 4) - truth) < 1e-4  # within 0.1 ms of a 5 ms step
-    assert HingeLatencyModel.from_dict(corrected.to_dict()) == corrected
-
-
-def test_correction_needs_a_grid():
-    # Steps that are not a (batch size x tokens per sequence) grid get the fitted curve alone.
-    shapes = [StepShape(1, n, 100 + n) for n in range(1, 20)]
-    assert fit_latency_model(shapes, [staircase(s) for s in shapes]).correction is None
-
-
-def test_heldout_error_with_a_cell_of_a_batch_size_missing():
-    # Held-out cells leave holes in the table: a batch size reads a missing column from its others.
-    shapes, secs = staircase_grid()
-    err, held = heldout_error(shapes, secs)
-    assert held and err < 10.0
