@@ -1,0 +1,154 @@
+"""Deciders replayed at B = 1 on recorded greedy outputs, every step priced by a latency model.
+
+Greedy speculation is lossless, so a request's output is the same whatever k each step asks for,
+and whether an n-gram draft is accepted depends only on that output: the lookup over the prompt
+and the first p output tokens finds the same drafts every time, and the first j of them are
+accepted exactly when they equal output tokens p .. p + j - 1. One SD-off run per prompt is then
+enough to run any decider over that request step by step (``serve``): it sees what the engine's
+planner would see (the lookup's drafts and match length, the step's shape), asks for k, is told
+how many were accepted, and each step costs the model's forward + verify time for its shape plus
+a fixed overhead. Every decider faces the same outputs and the same prices, so a difference
+between two of them is a difference between their choices, without the machine's noise.
+
+scripts/choice_replay.py records the outputs and reports; tests/test_choice_replay.py holds the
+planner's choices on the recorded ones to a floor.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable
+
+from specplan.engine.decider import RequestRecord, RequestView, StepOutline, StepRecord, StepView
+from specplan.engine.proposers.ngram import NgramIndex
+from specplan.planner.beliefs import capture, restore
+from specplan.planner.from_profile import planner_from_profile
+from specplan.policies import make_policy
+from specplan.profiler.latency_model import LatencyModel, StepShape
+from specplan.profiler.profile import Profile
+
+MAX_K = 8  # the engine's cap on drafts per request (evaluate's)
+MAX_NATURAL_K = 8  # the n-gram proposer's natural length cap
+ADAPTIVE, WARM = "adaptive", "adaptive+beliefs"
+
+
+def serve(decider, prompt: list[int], output: list[int], latency: LatencyModel, overhead_s: float, seq_id: int,
+          charge: float = 0.0) -> tuple[int, float]:
+    """Run one request through ``decider`` on its recorded output: (tokens emitted, seconds).
+
+    Step by step: the prefill emits output[0]; then with p tokens out, the lookup over prompt +
+    output[:p] offers drafts d (capped at what is left of the request), the decider picks k <=
+    len(d), and the step emits a + 1 tokens, a the length of the longest prefix of d[:k] equal to
+    output[p:p + k]. Worked example: output [7, 8, 9, 5], p = 1, d = [8, 9, 4], k = 3: a = 2
+    (8 and 9 agree, 4 is not 5), the step emits 8, 9 and the target's 5, and p becomes 4.
+    ``charge``: each step also costs the decider's own calls in it, timed, times this."""
+    toks = list(prompt)
+    index = NgramIndex(toks, 1, 4, 16)
+    request_id = f"r{seq_id}"
+    clock = time.perf_counter
+    screen = getattr(decider, "may_speculate", None)
+    observe = getattr(decider, "observe", None)
+
+    def timed(call, *args):  # (the answer, the decider's seconds)
+        t0 = clock()
+        answer = call(*args)
+        return answer, clock() - t0
+
+    # The prefill step: the prompt's forward pass samples the first output token.
+    seconds = latency.predict(StepShape(1, len(prompt), len(prompt)))
+    spent = 0.0
+    if observe is not None:
+        spent = timed(observe, StepRecord((), 1, len(prompt), len(prompt), len(prompt), 0.0, seconds, 0.0,
+                                          seconds + overhead_s))[1]
+    seconds += overhead_s + charge * spent
+    toks.append(output[0])
+    p = 1
+    while p < len(output):
+        context = len(toks)
+        cap = max(0, min(MAX_K, len(output) - p - 1))
+        drafts, available, match_length, k, spent = [], 0, 0, 0, 0.0
+        if cap and screen is not None:
+            go, spent = timed(screen, StepOutline(1, context, 0, 0, context, cap, None))
+        else:
+            go = cap > 0
+        if go:
+            drafts, available, match_length = index.lookup(cap)
+            cap = min(cap, len(drafts))
+            view = StepView((RequestView(seq_id, request_id, context, p, cap, True, cap, match_length or None),),
+                            0, 0, context, "ngram", None)
+            ks, s = timed(decider.decide, view)
+            k, spent = max(0, min(cap, int(ks[0]))), spent + s
+        accepted = 0
+        while accepted < k and drafts[accepted] == output[p + accepted]:
+            accepted += 1
+        emitted = accepted + 1
+        step_s = latency.predict(StepShape(1, 1 + k, context + k))
+        if observe is not None:
+            natural = min(available, MAX_NATURAL_K) if k else None
+            rr = RequestRecord(seq_id, request_id, k, k, accepted, emitted, natural, (match_length or None) if k else None)
+            spent += timed(observe, StepRecord((rr,), 1, 1 + k, 0, context + k, 0.0, step_s, 0.0, step_s + overhead_s))[1]
+        seconds += step_s + overhead_s + charge * spent
+        toks.extend(output[p:p + emitted])
+        p += emitted
+    return len(output), seconds
+
+
+class Static:
+    """k drafts whenever the lookup offers them (the engine's FixedDecider)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def decide(self, view: StepView) -> list[int]:
+        return [self.k] * len(view.requests)
+
+
+def run_arm(make: Callable[[], object], requests: list[list], latency, overhead_s: float, charge: float = 0.0
+            ) -> list[float]:
+    """Tokens per second of each request, each served by a fresh decider (one per process)."""
+    out = []
+    for i, (prompt, output) in enumerate(requests):
+        tokens, seconds = serve(make(), prompt, output, latency, overhead_s, i, charge)
+        out.append(tokens / seconds)
+    return out
+
+
+def geo(xs) -> float:
+    xs = list(xs)
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def replay_workload(profile: Profile, test: list[list], train: list[list], *, static_ks=(1, 2, 3, 4),
+                    overhead_s: float = 3e-4, charge: float = 0.0) -> dict:
+    """One workload's arms on its recorded requests ([prompt, output] pairs): SD off and each
+    static k, the goodput planner cold (a fresh one per request, as one request per process), and
+    the goodput planner from beliefs saved by one that served the ``train`` requests first.
+    Returns tok/s per request per arm, the best single static k (best geo-mean), each arm's
+    geo-mean over it, and the two planners' per-request ratios to it."""
+    latency = profile.model()
+
+    def planner():
+        return planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=MAX_K)
+
+    teacher = planner()  # one process serving the other prompts, one after another
+    for i, (prompt, output) in enumerate(train):
+        serve(teacher, prompt, output, latency, overhead_s, 1000 + i)
+    saved = capture(teacher, latency="replay")
+
+    def warm():
+        p = planner()
+        restore(p, saved, latency="replay")
+        return p
+
+    arms: dict[str, Callable[[], object]] = {f"static:{k}": (lambda k=k: Static(k)) for k in (0, *static_ks)}
+    arms |= {ADAPTIVE: planner, WARM: warm}
+    tok_s = {arm: run_arm(make, test, latency, overhead_s, charge) for arm, make in arms.items()}
+    statics = [a for a in arms if a.startswith("static:")]
+    best = max(statics, key=lambda a: geo(tok_s[a]))
+    return {"tok_s": tok_s, "best_single_static": best,
+            "over_best_single": {a: geo(x / y for x, y in zip(tok_s[a], tok_s[best])) for a in arms},
+            "over_best_per_request": {a: geo(x / max(tok_s[s][i] for s in statics) for i, x in enumerate(tok_s[a]))
+                                      for a in arms},
+            "per_request_over_best_single": {a: [x / y for x, y in zip(tok_s[a], tok_s[best])] for a in (ADAPTIVE, WARM)}}

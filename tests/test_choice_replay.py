@@ -1,0 +1,68 @@
+"""The goodput planner's B = 1 choices on real outputs, without noise: the default model's greedy
+outputs for 8 evaluation prompts a workload (recorded by scripts/choice_replay.py on the Q4_1 and
+fp32 engines), replayed step by step through each decider and priced by the profile measured
+with them (specplan/bench/choice_replay.py). No engine runs here: the replay reads JSON.
+
+What the floor guards: the planner's decisions (priors, acceptance learning, pricing, the
+allocation, exploration), not its speed. Measured 2026-11-29 (reports/choice-replay): cold
+0.990-1.045x the best single static k, from saved beliefs 1.005-1.047x."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specplan.bench.choice_replay import ADAPTIVE, WARM, Static, serve
+from specplan.bench.choice_replay import replay_workload
+from specplan.profiler.profile import Profile
+
+REPORTS = Path(__file__).resolve().parent.parent / "reports"
+RECORDED = {
+    "q4_1": (REPORTS / "choice-replay" / "outputs-q4_1.json", REPORTS / "profile-xeon-q4_1-s23" / "profile.json"),
+    "fp32": (REPORTS / "choice-replay" / "outputs-fp32.json", REPORTS / "choice-replay" / "profile-fp32.json"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(RECORDED))
+def replayed(request) -> dict:
+    outputs, profile = RECORDED[request.param]
+    recorded = json.loads(outputs.read_text())
+    profile = Profile.load(profile)
+    return {w: replay_workload(profile, sets["test"], sets["train"]) for w, sets in recorded.items()}
+
+
+def test_planner_choices_hold_against_the_best_static_k(replayed):
+    # Cold, each workload: at least 0.98x the best single static k (issue #32 asks 0.95x of a
+    # cold planner on the machine, where its own time and the noise come on top); from saved
+    # beliefs at least 0.99x (#32: 0.98x). Both far above SD off: the choices speculate.
+    for workload, cell in replayed.items():
+        ratio = cell["over_best_single"]
+        assert ratio[ADAPTIVE] >= 0.98, (workload, ratio)
+        assert ratio[WARM] >= 0.99, (workload, ratio)
+        assert ratio[ADAPTIVE] >= 1.05 * ratio["static:0"], (workload, ratio)
+
+
+def test_no_request_is_left_far_behind(replayed):
+    # One request whose first few drafts were all rejected may lose a little; none loses much.
+    for workload, cell in replayed.items():
+        for arm in (ADAPTIVE, WARM):
+            assert min(cell["per_request_over_best_single"][arm]) >= 0.9, (workload, arm)
+
+
+def test_serve_emits_the_recorded_output_and_prices_its_steps():
+    # A request whose output repeats its prompt: static k = 4 finds and keeps the drafts, emits
+    # the same tokens in fewer, priced steps than SD off.
+    class Flat:
+        def predict(self, shape):  # 10 ms a step plus 1 ms a query token
+            return 0.010 + 0.001 * shape.num_tokens
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    output = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    off_tokens, off_s = serve(Static(0), prompt, output, Flat(), 0.0, 0)
+    k4_tokens, k4_s = serve(Static(4), prompt, output, Flat(), 0.0, 0)
+    assert off_tokens == k4_tokens == len(output)
+    # SD off: the prefill (8 tokens, 18 ms) and 8 decode steps of 11 ms.
+    assert off_s == pytest.approx(0.018 + 8 * 0.011)
+    assert k4_s < 0.6 * off_s
