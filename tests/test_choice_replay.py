@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specplan.bench.choice_replay import ADAPTIVE, WARM, Static, serve
-from specplan.bench.choice_replay import replay_workload
+from specplan.bench.choice_replay import ADAPTIVE, WARM, Static, replay_workload, serve
 from specplan.profiler.profile import Profile
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
