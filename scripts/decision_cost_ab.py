@@ -55,7 +55,7 @@ def main() -> None:
     engine = _engine(loaded, args.proposer, args.batch, 8)
     report = {}
     for workload in args.workloads.split(","):
-        prompts = cell_prompts(loaded.tokenizer, workload, args.batch)
+        prompts = cell_prompts(loaded.tokenizer, workload, args.batch, min_requests=args.requests)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
         runs = rotated_rounds(list(ARMS), args.rounds,
                               lambda arm: run_arm(arm, engine, prompts, profile, args.proposer, args.batch))

@@ -62,7 +62,6 @@ def main() -> None:
     ap.add_argument("--variants", default="no-settle")
     ap.add_argument("--static-ks", default="1,2")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--requests", type=int, default=4, help="requests a cell at least (evaluate's --min-requests)")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)

@@ -89,7 +89,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_cell_arguments(ap, proposer="ngram", workloads="gsm8k,humaneval,mtbench,xsum", rounds=5)
     ap.add_argument("--static-ks", default="1")
-    ap.add_argument("--requests", type=int, default=4, help="requests a cell at least (evaluate's --min-requests)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     profile = Profile.load(args.profile)

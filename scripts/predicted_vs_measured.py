@@ -66,7 +66,7 @@ def main() -> None:
     loaded = load_model(None, quantize=args.quantize)
     engine = _engine(loaded, args.proposer, args.batch, 8)
     for workload in args.workloads.split(","):
-        prompts = cell_prompts(loaded.tokenizer, workload, args.batch)
+        prompts = cell_prompts(loaded.tokenizer, workload, args.batch, min_requests=args.requests)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
         for r in range(args.rounds):
             for force in (args.static_k, None):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from specplan.bench.choice_replay import ADAPTIVE, WARM, Static, replay_workload, serve
+from specplan.bench.choice_replay import ADAPTIVE, WARM, replay_workload, serve
+from specplan.engine.decider import FixedDecider
 from specplan.profiler.profile import Profile
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
@@ -59,8 +60,8 @@ def test_serve_emits_the_recorded_output_and_prices_its_steps():
 
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     output = [5, 6, 7, 8, 9, 10, 11, 12, 13]
-    off_tokens, off_s = serve(Static(0), prompt, output, Flat(), 0.0, 0)
-    k4_tokens, k4_s = serve(Static(4), prompt, output, Flat(), 0.0, 0)
+    off_tokens, off_s = serve(FixedDecider(0), prompt, output, Flat(), 0.0, 0)
+    k4_tokens, k4_s = serve(FixedDecider(4), prompt, output, Flat(), 0.0, 0)
     assert off_tokens == k4_tokens == len(output)
     # SD off: the prefill (8 tokens, 18 ms) and 8 decode steps of 11 ms.
     assert off_s == pytest.approx(0.018 + 8 * 0.011)

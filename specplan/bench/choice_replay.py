@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Callable
 
-from specplan.engine.decider import RequestRecord, RequestView, StepOutline, StepRecord, StepView
+from specplan.engine.decider import FixedDecider, RequestRecord, RequestView, StepOutline, StepRecord, StepView
 from specplan.engine.proposers.ngram import NgramIndex
 from specplan.planner.beliefs import capture, restore
 from specplan.planner.from_profile import planner_from_profile
@@ -95,16 +95,6 @@ def serve(decider, prompt: list[int], output: list[int], latency: LatencyModel, 
     return len(output), seconds
 
 
-class Static:
-    """k drafts whenever the lookup offers them (the engine's FixedDecider)."""
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def decide(self, view: StepView) -> list[int]:
-        return [self.k] * len(view.requests)
-
-
 def run_arm(make: Callable[[], object], requests: list[list], latency, overhead_s: float, charge: float = 0.0
             ) -> list[float]:
     """Tokens per second of each request, each served by a fresh decider (one per process)."""
@@ -142,7 +132,7 @@ def replay_workload(profile: Profile, test: list[list], train: list[list], *, st
         restore(p, saved, latency="replay")
         return p
 
-    arms: dict[str, Callable[[], object]] = {f"static:{k}": (lambda k=k: Static(k)) for k in (0, *static_ks)}
+    arms: dict[str, Callable[[], object]] = {f"static:{k}": (lambda k=k: FixedDecider(k)) for k in (0, *static_ks)}
     arms |= {ADAPTIVE: planner, WARM: warm}
     tok_s = {arm: run_arm(make, test, latency, overhead_s, charge) for arm, make in arms.items()}
     statics = [a for a in arms if a.startswith("static:")]

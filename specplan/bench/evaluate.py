@@ -138,13 +138,15 @@ def cell_prompts(tokenizer, workload: str, batch: int, min_requests: int = 4) ->
 
 def add_cell_arguments(parser, *, proposer: str = "chain", workloads: str = "gsm8k,mtbench", rounds: int = 3) -> None:
     """The options of the development scripts that run one closed-loop cell per workload:
-    --profile, --proposer, --batch, --workloads, --rounds, --quantize (as ``evaluate``'s)."""
+    --profile, --proposer, --batch, --workloads, --rounds, --quantize, --requests (as ``evaluate``'s;
+    --requests is its --min-requests: ``cell_prompts``)."""
     parser.add_argument("--profile", required=True)
     parser.add_argument("--proposer", default=proposer)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--workloads", default=workloads)
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--quantize", default=None, help="as specplan evaluate's --quantize (gguf: the Q4_1 engine)")
+    parser.add_argument("--requests", type=int, default=4, help="requests a cell at least (evaluate's --min-requests)")
 
 
 def rotated_rounds(arms: list[str], rounds: int, run: Callable[[str], dict]) -> dict[str, list[dict]]:
