@@ -12,15 +12,25 @@ cost hot).
 
     python scripts/choice_replay.py --quantize gguf --profile reports/profile-xeon-q4_1-s23/profile.json \\
         --trace reports/choice-replay/outputs-q4_1.json --prompts 8 [--charge-decider 2.3] [--out FILE.json]
+
+With ``--noise-runs N`` every arm is replayed N times on a noisy machine (``StepNoise``: a level
+that wanders with the priced clock, ``--level`` log sigma per ``--level-every-s``, and
+``--jitter`` per step; run r is seed r, the same for every arm), and each arm's run-to-run spread
+is reported as `specplan bench coldstart` reports it: (max - min) / median of its tok/s over the
+runs, raw and over SD off's in the same run. Static k spreads with the noise alone; a planner
+whose choices follow its step-time readings spreads further by what its choices add.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
-from specplan.bench.choice_replay import ADAPTIVE, MAX_K, WARM, replay_workload
+import statistics
+
+from specplan.bench.choice_replay import ADAPTIVE, MAX_K, WARM, StepNoise, geo, replay_workload
 from specplan.profiler.profile import Profile
 
 WORKLOADS = ("humaneval", "gsm8k", "mtbench", "xsum")
@@ -48,6 +58,43 @@ def record_outputs(quantize: str | None, workloads: list[str], prompts: int, tra
     return out
 
 
+def spread(xs: list[float]) -> float:
+    """(max - min) / median: the coldstart report's run-to-run spread."""
+    return (max(xs) - min(xs)) / statistics.median(xs)
+
+
+def log_sd(xs: list[float]) -> float:
+    """The standard deviation of log(x): a spread that does not widen with the number of runs."""
+    return statistics.stdev(math.log(x) for x in xs)
+
+
+def noisy_spreads(profile: Profile, workload: str, sets: dict, args) -> dict:
+    """Every arm replayed on ``args.noise_runs`` noisy machines: per arm its geo-mean tok/s over
+    the test prompts in each run, their spread raw and over SD off's, and the planners' median
+    ratio to the best single static k (picked on the median over runs)."""
+    runs: dict[str, list[float]] = {}
+    for seed in range(args.noise_runs):
+        noise = StepNoise(jitter=args.jitter, level=args.level, level_every_s=args.level_every_s, seed=seed)
+        cell = replay_workload(profile, sets["test"], sets["train"],
+                               static_ks=tuple(int(k) for k in args.static_ks.split(",") if k),
+                               overhead_s=args.overhead_ms / 1e3, charge=args.charge_decider, noise=noise)
+        for arm, xs in cell["tok_s"].items():
+            runs.setdefault(arm, []).append(geo(xs))
+    statics = [a for a in runs if a.startswith("static:")]
+    best = max(statics, key=lambda a: statistics.median(runs[a]))
+    off = runs["static:0"]
+    out = {"best_single_static": best, "tok_s": runs,
+           "spread": {a: spread(xs) for a, xs in runs.items()},
+           "paired_spread": {a: spread([x / o for x, o in zip(xs, off)]) for a, xs in runs.items() if a != "static:0"},
+           "log_sd": {a: log_sd(xs) for a, xs in runs.items()},
+           "paired_log_sd": {a: log_sd([x / o for x, o in zip(xs, off)]) for a, xs in runs.items() if a != "static:0"},
+           "over_best_single": {a: statistics.median(x / b for x, b in zip(runs[a], runs[best])) for a in (ADAPTIVE, WARM)}}
+    print(f"{workload}: best static {best}; log sd " + ", ".join(f"{a} {v:.2%}" for a, v in out["log_sd"].items())
+          + "; paired " + ", ".join(f"{a} {v:.2%}" for a, v in out["paired_log_sd"].items())
+          + "; x best static " + ", ".join(f"{a} {v:.3f}" for a, v in out["over_best_single"].items()), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", required=True)
@@ -61,6 +108,10 @@ def main() -> None:
     ap.add_argument("--overhead-ms", type=float, default=0.3, help="per-step time outside forward + verify")
     ap.add_argument("--charge-decider", type=float, default=0.0,
                     help="charge each step its decider's own calls, timed, times this (0: not at all)")
+    ap.add_argument("--noise-runs", type=int, default=0, help="replay every arm this many times on a noisy machine")
+    ap.add_argument("--jitter", type=float, default=0.03, help="log sigma of each step's own noise")
+    ap.add_argument("--level", type=float, default=0.02, help="log sigma of the level's move every --level-every-s")
+    ap.add_argument("--level-every-s", type=float, default=0.5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
@@ -70,6 +121,13 @@ def main() -> None:
         recorded = record_outputs(args.quantize, workloads, args.prompts, args.train_prompts, args.max_tokens)
         args.trace.write_text(json.dumps(recorded))
     profile = Profile.load(args.profile)
+    if args.noise_runs:
+        report = {w: noisy_spreads(profile, w, recorded[w], args) for w in workloads}
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "workloads": report},
+                                           indent=1))
+        return
     report = {}
     for w in workloads:
         cell = replay_workload(profile, recorded[w]["test"], recorded[w]["train"],

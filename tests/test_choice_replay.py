@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specplan.bench.choice_replay import ADAPTIVE, WARM, replay_workload, serve
+from specplan.bench.choice_replay import ADAPTIVE, WARM, ReplayPricing, StepNoise, replay_workload, serve
 from specplan.engine.decider import FixedDecider
 from specplan.profiler.profile import Profile
 
@@ -60,9 +60,32 @@ def test_serve_emits_the_recorded_output_and_prices_its_steps():
 
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     output = [5, 6, 7, 8, 9, 10, 11, 12, 13]
-    off_tokens, off_s = serve(FixedDecider(0), prompt, output, Flat(), 0.0, 0)
-    k4_tokens, k4_s = serve(FixedDecider(4), prompt, output, Flat(), 0.0, 0)
+    pricing = ReplayPricing(Flat(), overhead_s=0.0)
+    off_tokens, off_s = serve(FixedDecider(0), prompt, output, pricing, 0)
+    k4_tokens, k4_s = serve(FixedDecider(4), prompt, output, pricing, 0)
     assert off_tokens == k4_tokens == len(output)
     # SD off: the prefill (8 tokens, 18 ms) and 8 decode steps of 11 ms.
     assert off_s == pytest.approx(0.018 + 8 * 0.011)
     assert k4_s < 0.6 * off_s
+
+
+def test_step_noise_is_the_same_for_every_decider_of_a_run():
+    # The level follows the priced clock and the jitter the step index, both from the run's seed:
+    # a decider served twice in one run meets the same machine; another run meets another; a
+    # noise of zero is no noise.
+    class Flat:
+        def predict(self, shape):
+            return 0.010 + 0.001 * shape.num_tokens
+
+    prompt, output = [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    quiet = serve(FixedDecider(2), prompt, output, ReplayPricing(Flat(), overhead_s=0.0), 0)
+    silent = StepNoise(jitter=0.0, level=0.0, seed=3)
+    assert serve(FixedDecider(2), prompt, output, ReplayPricing(Flat(), 0.0), 0, silent.machine(0)) == quiet
+    noise = StepNoise(jitter=0.05, level=0.05, level_every_s=0.02, seed=1)
+    first = serve(FixedDecider(2), prompt, output, ReplayPricing(Flat(), 0.0), 0, noise.machine(0))
+    again = serve(FixedDecider(2), prompt, output, ReplayPricing(Flat(), 0.0), 0, noise.machine(0))
+    other = serve(FixedDecider(2), prompt, output, ReplayPricing(Flat(), 0.0), 0,
+                  StepNoise(jitter=0.05, level=0.05, level_every_s=0.02, seed=2).machine(0))
+    assert first == again and first[0] == other[0] == quiet[0] == len(output)
+    assert first[1] != quiet[1] and other[1] != first[1]
+    assert 0.7 * quiet[1] < first[1] < 1.4 * quiet[1]

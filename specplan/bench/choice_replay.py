@@ -10,6 +10,11 @@ how many were accepted, and each step costs the model's forward + verify time fo
 a fixed overhead. Every decider faces the same outputs and the same prices, so a difference
 between two of them is a difference between their choices, without the machine's noise.
 
+The machine's noise can be put back on purpose (``StepNoise``): each step's price times a level
+that wanders with the (priced) clock and a jitter of its own, the same for every decider of a
+run. Static k then spreads only with the noise, and a planner that follows its step-time
+readings spreads further by as much as its choices move with them.
+
 scripts/choice_replay.py records the outputs and reports; tests/test_choice_replay.py holds the
 planner's choices on the recorded ones to a floor.
 """
@@ -17,8 +22,10 @@ planner's choices on the recorded ones to a floor.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from specplan.engine.decider import FixedDecider, RequestRecord, RequestView, StepOutline, StepRecord, StepView
@@ -34,8 +41,61 @@ MAX_NATURAL_K = 8  # the n-gram proposer's natural length cap
 ADAPTIVE, WARM = "adaptive", "adaptive+beliefs"
 
 
-def serve(decider, prompt: list[int], output: list[int], latency: LatencyModel, overhead_s: float, seq_id: int,
-          charge: float = 0.0) -> tuple[int, float]:
+@dataclass(frozen=True)
+class StepNoise:
+    """The machine's noise on each replayed step, as log-normal factors on its price: a level
+    that takes a step of ``level`` (log sigma) every ``level_every_s`` of priced time (a slow
+    minute on a shared VM), times an independent ``jitter`` (log sigma) per step. ``seed`` names
+    the run: every decider of a run sees the same level at the same elapsed time and the same
+    jitter at the same step index (common random numbers), so ratios within a run hold the
+    noise's share that no choice causes."""
+
+    jitter: float = 0.03
+    level: float = 0.02
+    level_every_s: float = 0.5
+    seed: int = 0
+
+    def machine(self, request: int) -> "NoisyMachine":
+        """The noise one request meets (request ``request`` of the run)."""
+        return NoisyMachine(self, 1_000_003 * self.seed + request)
+
+
+class NoisyMachine:
+    """One request's noise: ``factor(seconds)`` for its next step (``StepNoise``)."""
+
+    def __init__(self, noise: StepNoise, seed: int):
+        self.noise = noise
+        self._level_rng = random.Random(2 * seed)  # the level's path in priced time
+        self._jitter_rng = random.Random(2 * seed + 1)  # the steps' own draws, by index
+        self._elapsed_s = 0.0
+        self._next_move_s = noise.level_every_s
+        self._log_level = 0.0
+
+    def factor(self, seconds: float) -> float:
+        """What a step priced at ``seconds`` takes on this machine, over its price."""
+        noise = self.noise
+        while self._elapsed_s >= self._next_move_s:
+            self._log_level += self._level_rng.gauss(0.0, noise.level)
+            self._next_move_s += noise.level_every_s
+        f = math.exp(self._log_level + self._jitter_rng.gauss(0.0, noise.jitter))
+        self._elapsed_s += seconds * f
+        return f
+
+
+@dataclass(frozen=True)
+class ReplayPricing:
+    """What a replayed step costs: the latency model's forward + verify seconds for its shape,
+    plus ``overhead_s``; ``charge``: plus the decider's own calls in it, timed, times this (in the
+    engine they cost ~2.3x what they cost here, hot); ``noise``: times the machine's noise."""
+
+    latency: LatencyModel
+    overhead_s: float = 3e-4
+    charge: float = 0.0
+    noise: StepNoise | None = None
+
+
+def serve(decider, prompt: list[int], output: list[int], pricing: ReplayPricing, seq_id: int,
+          machine: NoisyMachine | None = None) -> tuple[int, float]:
     """Run one request through ``decider`` on its recorded output: (tokens emitted, seconds).
 
     Step by step: the prefill emits output[0]; then with p tokens out, the lookup over prompt +
@@ -43,7 +103,8 @@ def serve(decider, prompt: list[int], output: list[int], latency: LatencyModel, 
     len(d), and the step emits a + 1 tokens, a the length of the longest prefix of d[:k] equal to
     output[p:p + k]. Worked example: output [7, 8, 9, 5], p = 1, d = [8, 9, 4], k = 3: a = 2
     (8 and 9 agree, 4 is not 5), the step emits 8, 9 and the target's 5, and p becomes 4.
-    ``charge``: each step also costs the decider's own calls in it, timed, times this."""
+    ``machine``: the noise this request meets (None: every step takes its price)."""
+    latency, overhead_s, charge = pricing.latency, pricing.overhead_s, pricing.charge
     toks = list(prompt)
     index = NgramIndex(toks, 1, 4, 16)
     request_id = f"r{seq_id}"
@@ -58,6 +119,8 @@ def serve(decider, prompt: list[int], output: list[int], latency: LatencyModel, 
 
     # The prefill step: the prompt's forward pass samples the first output token.
     seconds = latency.predict(StepShape(1, len(prompt), len(prompt)))
+    if machine is not None:
+        seconds *= machine.factor(seconds)
     spent = 0.0
     if observe is not None:
         spent = timed(observe, StepRecord((), 1, len(prompt), len(prompt), len(prompt), 0.0, seconds, 0.0,
@@ -85,6 +148,8 @@ def serve(decider, prompt: list[int], output: list[int], latency: LatencyModel, 
             accepted += 1
         emitted = accepted + 1
         step_s = latency.predict(StepShape(1, 1 + k, context + k))
+        if machine is not None:
+            step_s *= machine.factor(step_s)
         if observe is not None:
             natural = min(available, MAX_NATURAL_K) if k else None
             rr = RequestRecord(seq_id, request_id, k, k, accepted, emitted, natural, (match_length or None) if k else None)
@@ -95,12 +160,12 @@ def serve(decider, prompt: list[int], output: list[int], latency: LatencyModel, 
     return len(output), seconds
 
 
-def run_arm(make: Callable[[], object], requests: list[list], latency, overhead_s: float, charge: float = 0.0
-            ) -> list[float]:
+def run_arm(make: Callable[[], object], requests: list[list], pricing: ReplayPricing) -> list[float]:
     """Tokens per second of each request, each served by a fresh decider (one per process)."""
     out = []
     for i, (prompt, output) in enumerate(requests):
-        tokens, seconds = serve(make(), prompt, output, latency, overhead_s, i, charge)
+        machine = pricing.noise.machine(i) if pricing.noise is not None else None
+        tokens, seconds = serve(make(), prompt, output, pricing, i, machine)
         out.append(tokens / seconds)
     return out
 
@@ -111,20 +176,20 @@ def geo(xs) -> float:
 
 
 def replay_workload(profile: Profile, test: list[list], train: list[list], *, static_ks=(1, 2, 3, 4),
-                    overhead_s: float = 3e-4, charge: float = 0.0) -> dict:
+                    overhead_s: float = 3e-4, charge: float = 0.0, noise: StepNoise | None = None) -> dict:
     """One workload's arms on its recorded requests ([prompt, output] pairs): SD off and each
     static k, the goodput planner cold (a fresh one per request, as one request per process), and
     the goodput planner from beliefs saved by one that served the ``train`` requests first.
     Returns tok/s per request per arm, the best single static k (best geo-mean), each arm's
     geo-mean over it, and the two planners' per-request ratios to it."""
-    latency = profile.model()
+    pricing = ReplayPricing(profile.model(), overhead_s, charge, noise)
 
     def planner():
         return planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=MAX_K)
 
     teacher = planner()  # one process serving the other prompts, one after another
     for i, (prompt, output) in enumerate(train):
-        serve(teacher, prompt, output, latency, overhead_s, 1000 + i)
+        serve(teacher, prompt, output, pricing, 1000 + i, noise.machine(1000 + i) if noise is not None else None)
     saved = capture(teacher, latency="replay")
 
     def warm():
@@ -134,7 +199,7 @@ def replay_workload(profile: Profile, test: list[list], train: list[list], *, st
 
     arms: dict[str, Callable[[], object]] = {f"static:{k}": (lambda k=k: FixedDecider(k)) for k in (0, *static_ks)}
     arms |= {ADAPTIVE: planner, WARM: warm}
-    tok_s = {arm: run_arm(make, test, latency, overhead_s, charge) for arm, make in arms.items()}
+    tok_s = {arm: run_arm(make, test, pricing) for arm, make in arms.items()}
     statics = [a for a in arms if a.startswith("static:")]
     best = max(statics, key=lambda a: geo(tok_s[a]))
     return {"tok_s": tok_s, "best_single_static": best,
