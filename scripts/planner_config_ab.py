@@ -9,6 +9,7 @@ Variants (``--variants``, comma-separated):
              after a prefill too (planner/drift.py)
   no-explore the goodput policy with ``explore_budget=0``: no probe where its choice is off
              (policies/goodput.py)
+  pause-b4   ``PauseConfig(min_decodes=4)``: steps of 4 decodes or more may pause (planner/pause.py)
   again      the shipped planner a second time: the null control of the comparison
 
     python scripts/planner_config_ab.py --quantize gguf --profile reports/profile-xeon-q4_1/profile.json \\
@@ -26,6 +27,7 @@ from pathlib import Path
 from specplan.bench.evaluate import _engine, add_cell_arguments, cell_prompts, rotated_rounds, run_cell
 from specplan.engine import FixedDecider, load_model
 from specplan.planner import DraftSlopeConfig
+from specplan.planner.pause import PauseConfig
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy
 from specplan.policies.goodput import GoodputPolicy
@@ -38,6 +40,7 @@ VARIANTS = {
     "no-pause": {"pause": None},
     "no-settle": {"draft_slope": DraftSlopeConfig(settle_steps=0)},
     "no-explore": {"policy": lambda: GoodputPolicy(explore_budget=0.0)},
+    "pause-b4": {"pause": PauseConfig(min_decodes=4)},
     "again": {},
 }
 SHIPPED = "goodput"
