@@ -16,8 +16,8 @@ cost hot).
 With ``--noise-runs N`` every arm is replayed N times on a noisy machine (``StepNoise``: a level
 that wanders with the priced clock, ``--level`` log sigma per ``--level-every-s``, and
 ``--jitter`` per step; run r is seed r, the same for every arm), and each arm's run-to-run spread
-is reported as `specplan bench coldstart` reports it: (max - min) / median of its tok/s over the
-runs, raw and over SD off's in the same run. Static k spreads with the noise alone; a planner
+is reported: the standard deviation of log tok/s over the runs (and in the JSON also the bench's
+(max - min) / median), raw and over SD off's in the same run. Static k spreads with the noise alone; a planner
 whose choices follow its step-time readings spreads further by what its choices add.
 """
 
@@ -26,9 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
-
 import statistics
+from pathlib import Path
 
 from specplan.bench.choice_replay import ADAPTIVE, MAX_K, WARM, StepNoise, geo, replay_workload
 from specplan.profiler.profile import Profile
