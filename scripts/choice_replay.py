@@ -30,6 +30,7 @@ import statistics
 from pathlib import Path
 
 from specplan.bench.choice_replay import ADAPTIVE, MAX_K, WARM, StepNoise, geo, replay_workload
+from specplan.bench.coldstart import paired_spread, spread
 from specplan.profiler.profile import Profile
 
 WORKLOADS = ("humaneval", "gsm8k", "mtbench", "xsum")
@@ -57,11 +58,6 @@ def record_outputs(quantize: str | None, workloads: list[str], prompts: int, tra
     return out
 
 
-def spread(xs: list[float]) -> float:
-    """(max - min) / median: the coldstart report's run-to-run spread."""
-    return (max(xs) - min(xs)) / statistics.median(xs)
-
-
 def log_sd(xs: list[float]) -> float:
     """The standard deviation of log(x): a spread that does not widen with the number of runs."""
     return statistics.stdev(math.log(x) for x in xs)
@@ -84,7 +80,7 @@ def noisy_spreads(profile: Profile, workload: str, sets: dict, args) -> dict:
     off = runs["static:0"]
     out = {"best_single_static": best, "tok_s": runs,
            "spread": {a: spread(xs) for a, xs in runs.items()},
-           "paired_spread": {a: spread([x / o for x, o in zip(xs, off)]) for a, xs in runs.items() if a != "static:0"},
+           "paired_spread": {a: paired_spread(runs, a) for a in runs if a != "static:0"},
            "log_sd": {a: log_sd(xs) for a, xs in runs.items()},
            "paired_log_sd": {a: log_sd([x / o for x, o in zip(xs, off)]) for a, xs in runs.items() if a != "static:0"},
            "over_best_single": {a: statistics.median(x / b for x, b in zip(runs[a], runs[best])) for a in (ADAPTIVE, WARM)}}

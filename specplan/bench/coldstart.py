@@ -286,17 +286,18 @@ def calibration_rows(loaded, profile, *, workloads=WORKLOADS, after=CALIBRATION_
 # ------------------------------------------------------------------------------------ summary
 
 
-def _spread(xs: list[float]) -> float:
+def spread(xs: list[float]) -> float:
+    """Run-to-run spread: (max - min) / median (0 for one run)."""
     return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
 
 
-def _paired_spread(runs: dict[str, list[float]], arm: str) -> float:
+def paired_spread(runs: dict[str, list[float]], arm: str) -> float:
     """The spread of ``arm``'s reading over SD off's in the same run (lists aligned by run).
 
     Worked example: off [10, 12, 11], arm [13, 15, 13] -> ratios [1.3, 1.25, 1.18], spread
     (1.3 - 1.18) / 1.25 = 0.09, where the raw spread of the arm is (15 - 13) / 13 = 0.15: the
     machine's slower third run is common to both."""
-    return _spread([a / o for a, o in zip(runs[arm], runs[OFF])])
+    return spread([a / o for a, o in zip(runs[arm], runs[OFF])])
 
 
 def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, after=CALIBRATION_AFTER,
@@ -314,8 +315,8 @@ def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, a
                 for arm, per in arms.items()}
         digests = {arm: {(x["prompt"], x["digest"]) for rs in per.values() for x in rs} for arm, per in arms.items()}
         cell = {"tok_s_median": {a: statistics.median(v) for a, v in runs.items()},
-                "spread": {a: _spread(v) for a, v in runs.items()}, "tok_s_runs": runs,
-                "paired_spread": {a: _paired_spread(runs, a) for a in runs if a != OFF} if OFF in runs else {},
+                "spread": {a: spread(v) for a, v in runs.items()}, "tok_s_runs": runs,
+                "paired_spread": {a: paired_spread(runs, a) for a in runs if a != OFF} if OFF in runs else {},
                 "lossless": len({frozenset(d) for d in digests.values()}) == 1}
         if NULL_CONTROL in runs and OFF in runs:
             cell["null_control_vs_off"] = paired_ratios(runs, NULL_CONTROL)[0]
@@ -342,7 +343,7 @@ def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, a
         vs_off, vs_best = paired_ratios(runs, ADAPTIVE) if ADAPTIVE in runs else (math.nan, math.nan)
         null = paired_ratios(runs, NULL_CONTROL)[0] if NULL_CONTROL in runs else None
         out["mixed"] = {"batch": mixed[0]["batch"], "goodput_median": {a: statistics.median(v) for a, v in runs.items()},
-                        "spread": {a: _spread(v) for a, v in runs.items()}, "goodput_runs": runs,
+                        "spread": {a: spread(v) for a, v in runs.items()}, "goodput_runs": runs,
                         "paired_vs_off": vs_off, "paired_vs_best_static": vs_best, "null_control_vs_off": null,
                         "meets_bar": vs_off >= MIXED_VS_OFF and vs_best >= 1.0,
                         "lossless": len({r["digest"] for r in mixed}) == 1}
