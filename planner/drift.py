@@ -137,6 +137,17 @@ class DraftSlopeConfig:
     # acceptance). So the first ``settle_steps`` decode steps after a prefill are not learned
     # from, and no plain baseline is asked for while they run (``settling``).
     settle_steps: int = 4
+    # The price the policy is given moves off the profile's (slope 1, jump 0) only by what lies
+    # beyond this many standard errors of the fit (``_shrunk``): a slope fitted at 1.3 +- 0.2
+    # prices drafts at 1.3 - 2 x 0.2 = 0.9 -> 1. At B = 1 a draft adds ~4% to a step that varies
+    # by ~3% from one step to the next, so the raw fit wanders with the machine's noise, and the
+    # choices with it: replayed on 40 noisy machines the raw price made the adaptive arm's run-to-
+    # run spread (paired with SD off) up to twice static k's; shrunk, it is static k's, and a
+    # machine charging drafts twice what the profile says is still learned (reports/choice-replay,
+    # "The learned draft price and the run-to-run spread"). 0: the fit as it is.
+    significance: float = 2.0
+    noise_steps: int = 16  # the memory of the noise estimate the shrinkage uses, in steps
+    min_noise_samples: int = 3  # fewer prediction errors than this: the profile's price
 
     def __post_init__(self) -> None:
         if not 0.0 < self.discount <= 1.0:
@@ -153,6 +164,10 @@ class DraftSlopeConfig:
             raise ValueError("outlier_window must be >= 1 and outlier_width > 0")
         if self.settle_steps < 0:
             raise ValueError(f"settle_steps must be >= 0, got {self.settle_steps}")
+        if self.significance < 0:
+            raise ValueError(f"significance must be >= 0, got {self.significance}")
+        if self.noise_steps < 1 or self.min_noise_samples < 1:
+            raise ValueError("noise_steps and min_noise_samples must be >= 1")
 
 
 @dataclass
@@ -171,17 +186,28 @@ class _Bucket:
     plain_w: float = 0.0  # discounted count of plain steps: how fresh the baseline is
     evidence: float = 0.0  # sum of x^2 over steps with drafts, discounted only by such steps
     recent: list = field(default_factory=list)  # the latest steps' log(z / predicted z), raw (``_robust``)
-    # The fit of the sums as they are (``DraftSlope._solve``), until ``_add`` changes them: a
-    # step asks for it up to three times (its decision's price, its observation's outlier filter
-    # and price), and nothing moves it in between.
+    # The fit's one-step prediction error, log(z / predicted z) as it enters (clipped), squared
+    # and averaged over recent steps (a running mean for the first ``noise_steps``, then an EMA of
+    # weight 1 / noise_steps): the machine's step-to-step noise at this batch size, what the
+    # price's shrinkage measures the fit's deviations in (``DraftSlope._shrunk``).
+    noise: float = 0.0
+    noise_samples: int = 0
+    # The fit of the sums as they are (``DraftSlope._solve``) and the price made of it
+    # (``DraftSlope.price``), until ``_add`` changes them: a step asks for them up to three times
+    # (its decision's price, its observation's outlier filter and price), and nothing moves them
+    # in between.
     solved: tuple[float, float, float] | None = None
+    priced: DraftPrice | None = None
 
     def sums(self) -> dict:
-        """The fit's discounted sums (what the belief store saves; ``recent`` and ``solved`` are this run's)."""
+        """The fit's discounted sums (what the belief store saves; the rest is this run's)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SAVED}
 
 
-_NOT_SAVED = frozenset({"recent", "solved"})
+# This run's: the latest errors, and the fit and price made of the sums.
+_NOT_SAVED = frozenset({"recent", "solved", "priced"})
+_NOT_SUMS = frozenset({"noise", "noise_samples", "plain_steps"})  # saved, but not scaled as sums on load
+_RIDGE = 1e-6  # the fit's pull of the level toward 1: only keeps its normal equations solvable
 
 
 @dataclass(frozen=True)
@@ -261,33 +287,78 @@ class DraftSlope:
         return max(num_seqs, 1).bit_length()  # 1 -> 1, 2-3 -> 2, 4-7 -> 3, ...
 
     def price(self, num_seqs: int) -> DraftPrice:
-        """The learned slope and jump for this batch size."""
-        cfg = self.config
+        """The learned slope and jump for this batch size, each as far off the profile's as the
+        evidence is clear (``_shrunk``)."""
         b = self._buckets.get(self.bucket(num_seqs))
         if b is None or b.plain_steps == 0:
             return DraftPrice()
-        r, q, v = self._solve(b)
-        slope = q / r if r > 0 else cfg.max_slope
-        jump = v / r if r > 0 else 0.0
-        return DraftPrice(max(cfg.min_slope, min(cfg.max_slope, slope)), max(-cfg.max_jump, min(cfg.max_jump, jump)),
-                          b.evidence / cfg.unit_increment ** 2)
+        if b.priced is None:
+            cfg = self.config
+            r, q, v = self._solve(b)
+            if r > 0:
+                slope, jump = self._shrunk(b, r, q, v)
+            else:
+                slope, jump = cfg.max_slope, 0.0
+            b.priced = DraftPrice(max(cfg.min_slope, min(cfg.max_slope, slope)),
+                                  max(-cfg.max_jump, min(cfg.max_jump, jump)), b.evidence / cfg.unit_increment ** 2)
+        return b.priced
+
+    def _normal_matrix(self, b: _Bucket) -> list[list[float]]:
+        """[3, 3]: the fit's normal equations (``_solve``), rows d/dr, d/dq, d/dv."""
+        cfg = self.config
+        p, pj, eps = cfg.prior_units * cfg.unit_increment ** 2, cfg.jump_prior_units * cfg.unit_increment ** 2, _RIDGE
+        return [[b.w + p + eps, b.wx - p, b.wd], [b.wx - p, b.wxx + p, b.wxd], [b.wd, b.wxd, b.wd + pj]]
 
     def _solve(self, b: _Bucket) -> tuple[float, float, float]:
         """(r, q = r s, v = r j): the bucket's fitted level, slope term and jump term."""
         if b.solved is not None:
             return b.solved
-        cfg = self.config
         # Minimize sum w (z - r - q x - v d)^2 + p (q - r)^2 + pj v^2 + eps (r - 1)^2 over
         # (r, q = r s, v = r j): the priors say s = 1 and j = 0; eps only keeps the system
         # solvable. Normal equations, rows d/dr, d/dq, d/dv:
         #   (w + p + eps) r + (wx - p) q + wd v         = wz + eps
         #   (wx - p) r      + (wxx + p) q + wxd v       = wxz
         #   wd r            + wxd q       + (wd + pj) v = wdz
-        p, pj, eps = cfg.prior_units * cfg.unit_increment ** 2, cfg.jump_prior_units * cfg.unit_increment ** 2, 1e-6
-        r, q, v = solve3([[b.w + p + eps, b.wx - p, b.wd], [b.wx - p, b.wxx + p, b.wxd], [b.wd, b.wxd, b.wd + pj]],
-                         [b.wz + eps, b.wxz, b.wdz])
+        r, q, v = solve3(self._normal_matrix(b), [b.wz + _RIDGE, b.wxz, b.wdz])
         b.solved = (r, q, v)
         return b.solved
+
+    def _shrunk(self, b: _Bucket, r: float, q: float, v: float) -> tuple[float, float]:
+        """(slope, jump) of the fit (r, q, v), moved toward the profile's (1, 0) by ``significance``
+        standard errors of the fit along the line between them, and no further than to it.
+
+        The fit's covariance: the machine's step-to-step noise (``_Bucket.noise``, the variance
+        of the fit's one-step prediction errors in log units, so relative to the level r) times
+        the inverse of the fit's normal matrix. Its distance from the profile's price in standard
+        errors is the Mahalanobis distance D of (s - 1, j); the deviation is scaled by
+        max(0, 1 - significance / D). Along one parameter that is soft thresholding, |s - 1| less
+        significance x its standard error; measured jointly, because when every step carried the
+        same number of drafts a slope and a jump explain them alike: each alone is uncertain, the
+        price they make together is not. Before ``min_noise_samples`` prediction errors there is
+        no noise to measure against: the profile's price. The noise is read from the latest
+        steps (not from the fit's residuals): a change of the machine's level that the fit has
+        since followed leaves residuals in the fit's memory, not in its predictions.
+
+        Worked example (jump fixed at 0): s = 1.5 with standard error 0.1, significance 2: D = 5,
+        the deviation 0.5 scaled by 1 - 2 / 5 = 0.6, slope 1.3."""
+        slope, jump = q / r, v / r
+        cfg = self.config
+        k = cfg.significance
+        if k == 0.0:
+            return slope, jump
+        if b.noise_samples < cfg.min_noise_samples:
+            return 1.0, 0.0
+        a = self._normal_matrix(b)
+        # Columns q and v of the inverse: var(s), cov(s, j) and var(j), over the noise.
+        _, c_ss, c_sj = solve3(a, [0.0, 1.0, 0.0])
+        c_jj = solve3(a, [0.0, 0.0, 1.0])[2]
+        ds, dj = slope - 1.0, jump
+        det = (c_ss * c_jj - c_sj * c_sj) * b.noise
+        if not det > 0.0:  # no noise measured (or a degenerate fit): the fit as it is
+            return slope, jump
+        distance_sq = (ds * ds * c_jj - 2.0 * ds * dj * c_sj + dj * dj * c_ss) / det  # (s - 1, j) Sigma^-1 (s - 1, j)
+        keep = max(0.0, 1.0 - k / math.sqrt(distance_sq)) if distance_sq > 0.0 else 0.0
+        return 1.0 + keep * ds, keep * dj
 
     def slope(self, num_seqs: int) -> float:
         """The learned slope for this batch size."""
@@ -346,7 +417,11 @@ class DraftSlope:
         e = math.log(z / predicted)
         b.recent = (b.recent + [e])[-cfg.outlier_window:]
         m = statistics.median(b.recent)
-        return predicted * math.exp(max(m - cfg.outlier_width, min(m + cfg.outlier_width, e)))
+        entered = max(m - cfg.outlier_width, min(m + cfg.outlier_width, e))
+        b.noise_samples += 1
+        weight = max(1.0 / cfg.noise_steps, 1.0 / b.noise_samples)
+        b.noise += weight * (entered * entered - b.noise)
+        return predicted * math.exp(entered)
 
     def state(self) -> dict:
         """Every batch-size bucket's sums, as plain numbers (planner/beliefs.py saves them)."""
@@ -355,19 +430,24 @@ class DraftSlope:
     def load_state(self, state: dict, max_steps: float) -> None:
         """Saved buckets, each weighed as at most ``max_steps`` decode steps. None of them counts as
         a fresh baseline: the machine's level in another run says little about this one's, so the
-        policy measures a plain step first, as it does without saved beliefs."""
+        policy measures a plain step first, as it does without saved beliefs. The noise the price
+        is measured against comes as saved, as if from at most ``noise_steps`` errors (so this
+        run's first steps move it fast); files saved before it had one give the profile's price
+        until it is measured."""
         names = {f.name for f in fields(_Bucket)} - _NOT_SAVED
         for key, sums in state.items():
             values = {k: float(v) for k, v in sums.items() if k in names}
             scale = min(1.0, max_steps / values["w"]) if values.get("w", 0.0) > 0 else 0.0
-            b = _Bucket(**{k: v * scale for k, v in values.items()})
+            b = _Bucket(**{k: v * scale for k, v in values.items() if k not in _NOT_SUMS})
             b.plain_steps, b.plain_w = int(values.get("plain_steps", 0)), 0.0
+            b.noise = max(0.0, values.get("noise", 0.0))
+            b.noise_samples = max(0, min(int(values.get("noise_samples", 0)), self.config.noise_steps))
             self._buckets[int(key)] = b
 
     def _add(self, b: _Bucket, x: float, z: float, drafted: bool = False) -> None:
         g, d = self.config.discount, float(drafted)
         z = self._robust(b, x, z, d)
-        b.solved = None  # the sums move now
+        b.solved = b.priced = None  # the sums move now
         b.plain_w = b.plain_w * g + (1.0 - d)
         b.w = b.w * g + 1.0
         b.wx = b.wx * g + x

@@ -72,7 +72,8 @@ def noisy_spreads(profile: Profile, workload: str, sets: dict, args) -> dict:
         noise = StepNoise(jitter=args.jitter, level=args.level, level_every_s=args.level_every_s, seed=seed)
         cell = replay_workload(profile, sets["test"], sets["train"],
                                static_ks=tuple(int(k) for k in args.static_ks.split(",") if k),
-                               overhead_s=args.overhead_ms / 1e3, charge=args.charge_decider, noise=noise)
+                               overhead_s=args.overhead_ms / 1e3, charge=args.charge_decider, noise=noise,
+                               draft_price=args.draft_price)
         for arm, xs in cell["tok_s"].items():
             runs.setdefault(arm, []).append(geo(xs))
     statics = [a for a in runs if a.startswith("static:")]
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--overhead-ms", type=float, default=0.3, help="per-step time outside forward + verify")
     ap.add_argument("--charge-decider", type=float, default=0.0,
                     help="charge each step its decider's own calls, timed, times this (0: not at all)")
+    ap.add_argument("--draft-price", type=float, default=1.0,
+                    help="the replayed machine charges drafts this times the profile's increment (the planner must learn it)")
     ap.add_argument("--noise-runs", type=int, default=0, help="replay every arm this many times on a noisy machine")
     ap.add_argument("--jitter", type=float, default=0.03, help="log sigma of each step's own noise")
     ap.add_argument("--level", type=float, default=0.02, help="log sigma of the level's move every --level-every-s")
@@ -127,7 +130,8 @@ def main() -> None:
     for w in workloads:
         cell = replay_workload(profile, recorded[w]["test"], recorded[w]["train"],
                                static_ks=tuple(int(k) for k in args.static_ks.split(",") if k),
-                               overhead_s=args.overhead_ms / 1e3, charge=args.charge_decider)
+                               overhead_s=args.overhead_ms / 1e3, charge=args.charge_decider,
+                               draft_price=args.draft_price)
         report[w] = cell
         best_single = cell["best_single_static"]
         print(f"{w}: best single static {best_single}; x it: "

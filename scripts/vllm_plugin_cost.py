@@ -62,10 +62,12 @@ def yardstick_s() -> float:
 
 def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer: str,
              seed: int = 0, screen_reuse_steps: int | None = None, yardstick: list[float] | None = None,
-             copy_share: float = 0.5) -> tuple[PlanningDrafter, list[float]]:
+             copy_share: float = 0.5, flush_mib: int = 0) -> tuple[PlanningDrafter, list[float]]:
     """Drive the drafter as vLLM would: B rows, greedy verification against each row's target.
     ``yardstick``: a list to append ``yardstick_s()`` to after every call; ``copy_share``: how often
-    the rows' text copies itself (0.5: the lookups' drafts often pay; 0.1: chat-like, few do)."""
+    the rows' text copies itself (0.5: the lookups' drafts often pay; 0.1: chat-like, few do);
+    ``flush_mib``: read that many MiB before every call (not timed), as vLLM's forward pass does
+    between two calls: the plugin then runs from cold caches, as in vLLM's worker."""
     from specplan.profiler.fit import HingeLatencyModel
     from specplan.profiler.latency_model import StepShape
 
@@ -103,7 +105,10 @@ def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer:
 
     sampled = [admit(i) for i in range(batch)]
     costs = []
+    sweep = np.ones(flush_mib * 2**20 // 8) if flush_mib else None  # [MiB / 8 B] float64
     for _ in range(steps):
+        if sweep is not None:
+            sweep.sum()
         t0 = time.perf_counter()
         drafts = drafter.propose(sampled, lens, token_ids)
         costs.append(time.perf_counter() - t0)
@@ -296,6 +301,8 @@ def main() -> None:
                     help="with --vllm: vLLM without torch.compile (minutes less to start; the plugin's cost is the same)")
     ap.add_argument("--copy-share", type=float, default=0.5,
                     help="offline: how often the simulated text copies itself (0.1 reads like chat at B = 32: few drafts pay)")
+    ap.add_argument("--flush-mib", type=int, default=0,
+                    help="offline: read this many MiB before every call, as vLLM's forward pass does (64: cold caches)")
     ap.add_argument("--cprofile", action="store_true", help="print the top functions (offline: by cumulative time; --vllm: by own time, the calls in vLLM's worker)")
     ap.add_argument("--planner-breakdown", action="store_true",
                     help="offline: the planner's functions' inclusive ms per call (wrapped timers, ~0.3 us each)")
@@ -315,7 +322,7 @@ def main() -> None:
     yard: list[float] = []
     drafter, costs = simulate(args.batch, args.steps, args.policy, args.profile, args.proposer,
                               screen_reuse_steps=args.screen_reuse_steps, yardstick=yard,
-                              copy_share=args.copy_share)
+                              copy_share=args.copy_share, flush_mib=args.flush_mib)
     if args.cprofile:
         prof.disable()
         pstats.Stats(prof).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(35)

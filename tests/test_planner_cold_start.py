@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -171,10 +172,66 @@ def fitted_slope(config: DraftSlopeConfig, seed: int) -> float:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_one_noisy_step_does_not_swing_the_draft_price(seed):
-    filtered = fitted_slope(DraftSlopeConfig(), seed)
-    raw = fitted_slope(DraftSlopeConfig(outlier_width=100.0), seed)  # no clipping
+    # The outlier filter alone: the fit as it is, not shrunk toward the profile (which would
+    # hide what the filter does here, the machine's price being the profile's).
+    filtered = fitted_slope(DraftSlopeConfig(significance=0.0), seed)
+    raw = fitted_slope(DraftSlopeConfig(outlier_width=100.0, significance=0.0), seed)  # no clipping
     assert filtered == pytest.approx(1.0, abs=0.25)
     assert abs(raw - 1.0) > 2 * abs(filtered - 1.0)
+
+
+def slope_path(config: DraftSlopeConfig, draft_price: float, seed: int, steps: int = 150) -> list[float]:
+    """The learned slope after each of ``steps`` B = 1 steps on a machine whose steps vary by ~3%
+    (log-normal) from one to the next, and whose drafts (1-4 a step, each +5% of a step in the
+    model) cost ``draft_price`` x what the model says; a plain step every 8th."""
+    slope = DraftSlope(config)
+    rng = random.Random(seed)
+    path = []
+    for step in range(steps):
+        noise = math.exp(rng.gauss(0.0, 0.03))
+        if step % 8 == 0:
+            slope.observe_plain(1, 0.01, 0.01 * noise)
+        else:
+            increment = 0.0005 * rng.randint(1, 4)
+            slope.observe_drafts(1, 0.01, increment, (0.01 + draft_price * increment) * noise)
+        path.append(slope.slope(1))
+    return path
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_step_noise_alone_does_not_move_the_draft_price(seed):
+    """At B = 1 a draft adds ~5% to a step that varies by ~3% from one step to the next: the raw fit
+    of the drafts' slope wanders by 0.1-0.2 with the noise (and the choices with it: the run-to-run
+    spread of reports/choice-replay); shrunk by two standard errors, it stays at the profile's."""
+    shrunk = slope_path(DraftSlopeConfig(), 1.0, seed)
+    raw = slope_path(DraftSlopeConfig(significance=0.0), 1.0, seed)
+    assert max(abs(s - 1.0) for s in shrunk[30:]) <= 0.06
+    assert max(abs(s - 1.0) for s in raw[30:]) >= 0.1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_drafts_clearly_dearer_than_the_profile_are_still_learned(seed):
+    """The same machine charging drafts twice what the model says: well outside the noise, so the
+    shrunk price follows the fit, two standard errors short of it."""
+    shrunk = slope_path(DraftSlopeConfig(), 2.0, seed)
+    raw = slope_path(DraftSlopeConfig(significance=0.0), 2.0, seed)
+    assert min(shrunk[-50:]) >= 1.6 and raw[-1] == pytest.approx(2.0, abs=0.15)
+    assert all(1.0 <= s <= r + 1e-9 for s, r in zip(shrunk[-50:], raw[-50:]))  # toward the profile, never past the fit
+
+
+def test_the_shrinkage_weighs_slope_and_jump_together():
+    """When every step carries the same number of drafts, a slope and a jump explain them alike:
+    each alone has a wide standard error, the price they make together a narrow one. The shrinkage
+    measures the deviation jointly, so such a price is learned (shrunk one by one, both would sit
+    at the profile's: +25% for drafts that cost +5%)."""
+    slope = DraftSlope()
+    rng = random.Random(3)
+    slope.observe_plain(4, 0.02, 0.04)
+    for _ in range(60):
+        slope.observe_plain(4, predicted_s=0.02, measured_s=0.04 * rng.uniform(0.98, 1.02))
+        slope.observe_drafts(4, base_s=0.02, increment_s=0.005, measured_s=0.042 * rng.uniform(0.98, 1.02))
+    price = slope.price(4)
+    assert price.slope * 0.25 + price.jump == pytest.approx(0.05, abs=0.02)
 
 
 def test_a_lasting_change_of_level_passes_the_filter():

@@ -86,12 +86,24 @@ class NoisyMachine:
 class ReplayPricing:
     """What a replayed step costs: the latency model's forward + verify seconds for its shape,
     plus ``overhead_s``; ``charge``: plus the decider's own calls in it, timed, times this (in the
-    engine they cost ~2.3x what they cost here, hot); ``noise``: times the machine's noise."""
+    engine they cost ~2.3x what they cost here, hot); ``noise``: times the machine's noise;
+    ``draft_price``: a machine whose drafts cost this times what the model says they add to a
+    step (a profile that misprices them, as vLLM's few-drafts steps were measured at up to 2x:
+    what the planner's learned draft price is for)."""
 
     latency: LatencyModel
     overhead_s: float = 3e-4
     charge: float = 0.0
     noise: StepNoise | None = None
+    draft_price: float = 1.0
+
+    def step_seconds(self, context: int, k: int) -> float:
+        """A B = 1 decode step over ``context`` tokens carrying ``k`` drafts, before noise."""
+        with_drafts = self.latency.predict(StepShape(1, 1 + k, context + k))
+        if k == 0 or self.draft_price == 1.0:
+            return with_drafts
+        base = self.latency.predict(StepShape(1, 1, context))
+        return base + self.draft_price * (with_drafts - base)
 
 
 def serve(decider, prompt: list[int], output: list[int], pricing: ReplayPricing, seq_id: int,
@@ -147,7 +159,7 @@ def serve(decider, prompt: list[int], output: list[int], pricing: ReplayPricing,
         while accepted < k and drafts[accepted] == output[p + accepted]:
             accepted += 1
         emitted = accepted + 1
-        step_s = latency.predict(StepShape(1, 1 + k, context + k))
+        step_s = pricing.step_seconds(context, k)
         if machine is not None:
             step_s *= machine.factor(step_s)
         if observe is not None:
@@ -176,13 +188,14 @@ def geo(xs) -> float:
 
 
 def replay_workload(profile: Profile, test: list[list], train: list[list], *, static_ks=(1, 2, 3, 4),
-                    overhead_s: float = 3e-4, charge: float = 0.0, noise: StepNoise | None = None) -> dict:
+                    overhead_s: float = 3e-4, charge: float = 0.0, noise: StepNoise | None = None,
+                    draft_price: float = 1.0) -> dict:
     """One workload's arms on its recorded requests ([prompt, output] pairs): SD off and each
     static k, the goodput planner cold (a fresh one per request, as one request per process), and
     the goodput planner from beliefs saved by one that served the ``train`` requests first.
     Returns tok/s per request per arm, the best single static k (best geo-mean), each arm's
     geo-mean over it, and the two planners' per-request ratios to it."""
-    pricing = ReplayPricing(profile.model(), overhead_s, charge, noise)
+    pricing = ReplayPricing(profile.model(), overhead_s, charge, noise, draft_price)
 
     def planner():
         return planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=MAX_K)
