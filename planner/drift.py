@@ -252,6 +252,12 @@ class DraftSlope:
     with different numbers of drafts tell j from s. Drafts are then priced at
     max(0, s dT(n) + j T(base)) (``priced_seconds``).
 
+    Shrinkage: the price the policy is given is the fit's, moved toward the profile's (1, 0) by
+    ``significance`` standard errors, measured against the step-to-step noise the fit's own
+    predictions meet (``_shrunk``). Where drafts add a few percent to a step that varies by a few
+    percent (B = 1 on a CPU), the raw fit wanders with the noise and the choices with it; the
+    profile was measured on this machine, so it stands until the evidence clearly says otherwise.
+
     Exploration: a policy that prices drafts too high turns speculation off and then sees no
     speculative step to learn from. ``explore_slope`` is an optimistic slope for that case,
     (1 - optimism / (1 + units)) * s, units = the steps with drafts seen (their x^2 over 0.1^2,

@@ -19,6 +19,10 @@ that wanders with the priced clock, ``--level`` log sigma per ``--level-every-s`
 is reported: the standard deviation of log tok/s over the runs (and in the JSON also the bench's
 (max - min) / median), raw and over SD off's in the same run. Static k spreads with the noise alone; a planner
 whose choices follow its step-time readings spreads further by what its choices add.
+``--draft-price P`` replays a machine whose drafts cost P x what the profile says (what the
+planner's learned draft price is for); ``--significance S`` gives the replayed planners that
+shrinkage of their learned draft price (planner/drift.py ``DraftSlopeConfig.significance``; 0:
+the raw fit, as before 2026-11-29).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 
 from specplan.bench.choice_replay import ADAPTIVE, MAX_K, WARM, StepNoise, geo, replay_workload
 from specplan.bench.coldstart import paired_spread, spread
+from specplan.planner.drift import DraftSlopeConfig
 from specplan.profiler.profile import Profile
 
 WORKLOADS = ("humaneval", "gsm8k", "mtbench", "xsum")
@@ -63,6 +68,13 @@ def log_sd(xs: list[float]) -> float:
     return statistics.stdev(math.log(x) for x in xs)
 
 
+def planner_options(args) -> dict:
+    """PlannerConfig fields the replayed planners get: the draft price's shrinkage, if asked for."""
+    if args.significance is None:
+        return {}
+    return {"draft_slope": DraftSlopeConfig(significance=args.significance)}
+
+
 def noisy_spreads(profile: Profile, workload: str, sets: dict, args) -> dict:
     """Every arm replayed on ``args.noise_runs`` noisy machines: per arm its geo-mean tok/s over
     the test prompts in each run, their spread raw and over SD off's, and the planners' median
@@ -73,7 +85,7 @@ def noisy_spreads(profile: Profile, workload: str, sets: dict, args) -> dict:
         cell = replay_workload(profile, sets["test"], sets["train"],
                                static_ks=tuple(int(k) for k in args.static_ks.split(",") if k),
                                overhead_s=args.overhead_ms / 1e3, charge=args.charge_decider, noise=noise,
-                               draft_price=args.draft_price)
+                               draft_price=args.draft_price, planner_options=planner_options(args))
         for arm, xs in cell["tok_s"].items():
             runs.setdefault(arm, []).append(geo(xs))
     statics = [a for a in runs if a.startswith("static:")]
@@ -106,6 +118,8 @@ def main() -> None:
                     help="charge each step its decider's own calls, timed, times this (0: not at all)")
     ap.add_argument("--draft-price", type=float, default=1.0,
                     help="the replayed machine charges drafts this times the profile's increment (the planner must learn it)")
+    ap.add_argument("--significance", type=float, default=None,
+                    help="the planners' DraftSlopeConfig.significance (default: the shipped one; 0: the raw fit)")
     ap.add_argument("--noise-runs", type=int, default=0, help="replay every arm this many times on a noisy machine")
     ap.add_argument("--jitter", type=float, default=0.03, help="log sigma of each step's own noise")
     ap.add_argument("--level", type=float, default=0.02, help="log sigma of the level's move every --level-every-s")
@@ -131,7 +145,7 @@ def main() -> None:
         cell = replay_workload(profile, recorded[w]["test"], recorded[w]["train"],
                                static_ks=tuple(int(k) for k in args.static_ks.split(",") if k),
                                overhead_s=args.overhead_ms / 1e3, charge=args.charge_decider,
-                               draft_price=args.draft_price)
+                               draft_price=args.draft_price, planner_options=planner_options(args))
         report[w] = cell
         best_single = cell["best_single_static"]
         print(f"{w}: best single static {best_single}; x it: "

@@ -189,7 +189,7 @@ def geo(xs) -> float:
 
 def replay_workload(profile: Profile, test: list[list], train: list[list], *, static_ks=(1, 2, 3, 4),
                     overhead_s: float = 3e-4, charge: float = 0.0, noise: StepNoise | None = None,
-                    draft_price: float = 1.0) -> dict:
+                    draft_price: float = 1.0, planner_options: dict | None = None) -> dict:
     """One workload's arms on its recorded requests ([prompt, output] pairs): SD off and each
     static k, the goodput planner cold (a fresh one per request, as one request per process), and
     the goodput planner from beliefs saved by one that served the ``train`` requests first.
@@ -198,7 +198,8 @@ def replay_workload(profile: Profile, test: list[list], train: list[list], *, st
     pricing = ReplayPricing(profile.model(), overhead_s, charge, noise, draft_price)
 
     def planner():
-        return planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=MAX_K)
+        return planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=MAX_K,
+                                    **(planner_options or {}))
 
     teacher = planner()  # one process serving the other prompts, one after another
     for i, (prompt, output) in enumerate(train):
