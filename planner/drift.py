@@ -336,7 +336,8 @@ class DraftSlope:
         The fit's covariance: the machine's step-to-step noise (``_Bucket.noise``, the variance
         of the fit's one-step prediction errors in log units, so relative to the level r) times
         the inverse of the fit's normal matrix. Its distance from the profile's price in standard
-        errors is the Mahalanobis distance D of (s - 1, j); the deviation is scaled by
+        errors is the Mahalanobis distance D of (s - 1, j) (read from the normal matrix itself,
+        which is the covariance's inverse up to the noise); the deviation is scaled by
         max(0, 1 - significance / D). Along one parameter that is soft thresholding, |s - 1| less
         significance x its standard error; measured jointly, because when every step carried the
         same number of drafts a slope and a jump explain them alike: each alone is uncertain, the
@@ -354,15 +355,15 @@ class DraftSlope:
             return slope, jump
         if b.noise_samples < cfg.min_noise_samples:
             return 1.0, 0.0
-        a = self._normal_matrix(b)
-        # Columns q and v of the inverse: var(s), cov(s, j) and var(j), over the noise.
-        _, c_ss, c_sj = solve3(a, [0.0, 1.0, 0.0])
-        c_jj = solve3(a, [0.0, 0.0, 1.0])[2]
-        ds, dj = slope - 1.0, jump
-        det = (c_ss * c_jj - c_sj * c_sj) * b.noise
-        if not det > 0.0:  # no noise measured (or a degenerate fit): the fit as it is
+        if not b.noise > 0.0:  # no noise measured: the fit as it is
             return slope, jump
-        distance_sq = (ds * ds * c_jj - 2.0 * ds * dj * c_sj + dj * dj * c_ss) / det  # (s - 1, j) Sigma^-1 (s - 1, j)
+        # The fit's precision for (q, v) with the level fitted too: the normal matrix's Schur
+        # complement of its level entry, over the noise (the covariance's inverse, so nothing to
+        # invert); for (s, j) = (q, v) / r the same, the noise being relative to the level.
+        (a00, a01, a02), (_, a11, a12), (_, _, a22) = self._normal_matrix(b)
+        m_ss, m_sj, m_jj = a11 - a01 * a01 / a00, a12 - a01 * a02 / a00, a22 - a02 * a02 / a00
+        ds, dj = slope - 1.0, jump
+        distance_sq = (ds * ds * m_ss + 2.0 * ds * dj * m_sj + dj * dj * m_jj) / b.noise  # (s - 1, j) Sigma^-1 (s - 1, j)
         keep = max(0.0, 1.0 - k / math.sqrt(distance_sq)) if distance_sq > 0.0 else 0.0
         return 1.0 + keep * ds, keep * dj
 
