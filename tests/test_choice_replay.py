@@ -67,6 +67,14 @@ def test_serve_emits_the_recorded_output_and_prices_its_steps():
     # SD off: the prefill (8 tokens, 18 ms) and 8 decode steps of 11 ms.
     assert off_s == pytest.approx(0.018 + 8 * 0.011)
     assert k4_s < 0.6 * off_s
+    # A machine charging drafts twice what the model says: each draft 2 ms instead of 1, a step
+    # without drafts as before. Static k = 4 here runs 6 drafts: 4, then the 2 that the rest of
+    # the output leaves room for.
+    dear = ReplayPricing(Flat(), overhead_s=0.0, draft_price=2.0)
+    assert dear.step_seconds(100, 0) == pricing.step_seconds(100, 0) == pytest.approx(0.011)
+    assert dear.step_seconds(100, 4) == pytest.approx(0.011 + 2 * 0.004)
+    assert serve(FixedDecider(0), prompt, output, dear, 0) == (off_tokens, off_s)
+    assert serve(FixedDecider(4), prompt, output, dear, 0)[1] == pytest.approx(k4_s + 6 * 0.001)
 
 
 def test_step_noise_is_the_same_for_every_decider_of_a_run():
