@@ -25,8 +25,8 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 
+from specplan.bench.caches import CacheSweep
 from specplan.profiler.profile import Profile
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy
@@ -72,13 +72,13 @@ def replay(profile: Profile, trace: list[tuple[str, object]], flush_mib: int = 0
     spent = dict.fromkeys(KINDS, 0.0)
     calls = dict.fromkeys(KINDS, 0)
     planner = fresh_planner(profile)
-    sweep = np.ones(flush_mib * 2**20 // 8) if flush_mib else None  # [MiB / 8 B] float64
+    caches = CacheSweep(flush_mib)
     for kind, arg in trace:
         if kind == "new":
             planner = fresh_planner(profile)
             continue
-        if sweep is not None and kind == "observe":  # the engine observes first after a forward
-            sweep.sum()
+        if kind == "observe":  # the engine observes first after a forward
+            caches.sweep()
         if kind == "decide":
             kind = "decide, drafts" if any(r.max_k for r in arg.requests) else "decide, no draft"
         call = planner.may_speculate if kind == "screen" else planner.observe if kind == "observe" else planner.decide

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specplan.bench.caches import CacheSweep
 from specplan.integrations.vllm import PlanningDrafter, PluginOptions
 from specplan.integrations.vllm_lookup import make_lookup
 
@@ -105,10 +106,9 @@ def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer:
 
     sampled = [admit(i) for i in range(batch)]
     costs = []
-    sweep = np.ones(flush_mib * 2**20 // 8) if flush_mib else None  # [MiB / 8 B] float64
+    caches = CacheSweep(flush_mib)
     for _ in range(steps):
-        if sweep is not None:
-            sweep.sum()
+        caches.sweep()
         t0 = time.perf_counter()
         drafts = drafter.propose(sampled, lens, token_ids)
         costs.append(time.perf_counter() - t0)
