@@ -10,6 +10,7 @@ missing, read if present; plain pickles of the engine's view and record dataclas
 
     python scripts/planner_step_cost.py --quantize gguf --trace /tmp/b1.pkl --repeats 5 [--flush-mib 64]
     python scripts/planner_step_cost.py --batch 4 --trace /tmp/b4.pkl --decisions /tmp/b4-answers.json [--cprofile]
+    python scripts/planner_step_cost.py --trace /tmp/b1.pkl --flush-mib 64 --without step-time --without timing
 
 Hot (the default), the planner's objects and code stay in the caches from one step to the next;
 in the engine the forward pass between two steps streams ~100 MB of weights and evicts them, and
@@ -28,6 +29,8 @@ from pathlib import Path
 
 from specplan.bench.caches import CacheSweep
 from specplan.profiler.profile import Profile
+from specplan.planner import Planner
+from specplan.planner.acceptance import PooledAcceptance
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy
 
@@ -35,8 +38,27 @@ WORKLOADS = ("gsm8k", "mtbench", "humaneval", "xsum")
 KINDS = ("screen", "decide, no draft", "decide, drafts", "observe")
 
 
-def fresh_planner(profile: Profile):
-    return planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=8)
+# Parts of the planner a replay can leave out (``--without``), to see what each costs: config
+# fields set to what turns the part off, or (where no field does) the method that runs it replaced
+# by one that does nothing. The answers then differ from the planner's: a cost breakdown, not a
+# variant to ship.
+WITHOUT_CONFIG = {"timing": {"learn_timing": False}, "calibration": {"calibration": None}, "pause": {"pause": None}}
+WITHOUT_METHOD = {"step-time": (Planner, "_observe_step_time"),  # the drift factor and the drafts' price
+                  "pool-refresh": (PooledAcceptance, "refresh")}  # the pooled priors publishing what they learned
+WITHOUT = tuple(WITHOUT_CONFIG) + tuple(WITHOUT_METHOD)
+
+
+def fresh_planner(profile: Profile, without: tuple[str, ...] = ()):
+    options = {k: v for part in without for k, v in WITHOUT_CONFIG.get(part, {}).items()}
+    return planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=8, **options)
+
+
+def leave_out(without: tuple[str, ...]) -> None:
+    """Replace the methods of the ``without`` parts that no config field turns off (this process only)."""
+    for part in without:
+        if part in WITHOUT_METHOD:
+            owner, name = WITHOUT_METHOD[part]
+            setattr(owner, name, lambda *args, **kwargs: None)
 
 
 def record_trace(profile: Profile, quantize: str, max_tokens: int, batch: int = 1) -> list[tuple[str, object]]:
@@ -63,7 +85,7 @@ def record_trace(profile: Profile, quantize: str, max_tokens: int, batch: int = 
 
 
 def replay(profile: Profile, trace: list[tuple[str, object]], flush_mib: int = 0,
-           decisions: list | None = None) -> dict[str, float]:
+           decisions: list | None = None, without: tuple[str, ...] = ()) -> dict[str, float]:
     """Microseconds per call of each kind over one replay of the trace. ``flush_mib``: read that
     many MiB before each step's first call, as the forward pass streams the weights between two
     steps of the engine (its caches hold none of the planner's objects or code then).
@@ -71,11 +93,11 @@ def replay(profile: Profile, trace: list[tuple[str, object]], flush_mib: int = 0
     that replay one trace must answer alike, whatever either costs)."""
     spent = dict.fromkeys(KINDS, 0.0)
     calls = dict.fromkeys(KINDS, 0)
-    planner = fresh_planner(profile)
+    planner = fresh_planner(profile, without)
     caches = CacheSweep(flush_mib)
     for kind, arg in trace:
         if kind == "new":
-            planner = fresh_planner(profile)
+            planner = fresh_planner(profile, without)
             continue
         if kind == "observe":  # the engine observes first after a forward
             caches.sweep()
@@ -105,7 +127,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--flush-mib", type=int, default=0,
                         help="read this many MiB before each step (64: as after a forward pass; the in-engine cost)")
+    parser.add_argument("--without", action="append", choices=WITHOUT, default=[],
+                        help="replay with this part of the planner left out (repeatable): what it costs")
     args = parser.parse_args()
+    without = tuple(args.without)
+    leave_out(without)
     if args.profile:
         profile = Profile.load(args.profile)
     else:
@@ -120,7 +146,7 @@ def main() -> None:
         if args.trace:
             args.trace.write_bytes(pickle.dumps(trace))
     answers: list = []
-    replay(profile, trace, decisions=answers)
+    replay(profile, trace, decisions=answers, without=without)
     if args.decisions is not None:
         if args.decisions.exists():
             same = json.loads(args.decisions.read_text()) == json.loads(json.dumps(answers))
@@ -133,10 +159,10 @@ def main() -> None:
 
         prof = cProfile.Profile()
         prof.enable()
-        replay(profile, trace, args.flush_mib)
+        replay(profile, trace, args.flush_mib, without=without)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    runs = [replay(profile, trace, args.flush_mib) for _ in range(args.repeats)]
+    runs = [replay(profile, trace, args.flush_mib, without=without) for _ in range(args.repeats)]
     calls = runs[0]["calls"]
     steps = calls["observe"]
     print(f"{steps} steps replayed {args.repeats}x; median microseconds per call (calls per replay):")

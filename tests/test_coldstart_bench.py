@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from specplan.bench.coldstart import (ADAPTIVE, OFF, WARM, CalibrationRecorder, ChildJob, render, spawn,
-                                      summarize)
+from specplan.bench.coldstart import (ADAPTIVE, OFF, WARM, CalibrationRecorder, ChildJob, pooled_spread, render,
+                                      spawn, spread_test, summarize)
 from specplan.bench.evaluate import NULL_CONTROL
 from specplan.engine.decider import RequestRecord, RequestView, StepRecord, StepView
 from specplan.planner import Planner
@@ -65,6 +65,38 @@ def test_paired_spread_cancels_the_machine_drift_common_to_a_run():
     assert without_control[ADAPTIVE]["paired_spread_no_wider_than_best_static"] is None  # nothing to compare with
 
 
+def test_pooled_spread_by_hand():
+    # pooled_spread's worked example: log deviations about each cell's own mean, pooled.
+    cells = {"a": {ADAPTIVE: [10, 11, 12]}, "b": {ADAPTIVE: [20, 22]}, "c": {OFF: [5, 6]}}
+    variance, df = pooled_spread(cells, ADAPTIVE)
+    assert df == 3 and variance == pytest.approx(0.021174 / 3, rel=1e-3)
+    # Paired: a run that is slower for both arms cancels.
+    cells = {"a": {OFF: [10, 8, 10], ADAPTIVE: [12, 9.6, 12]}}
+    assert pooled_spread(cells, ADAPTIVE, paired=True) == (pytest.approx(0.0), 2)
+    assert pooled_spread(cells, ADAPTIVE)[0] > 0.005
+
+
+def test_spread_test_tells_a_wider_arm_from_an_equal_one():
+    """Four workloads x 5 runs: an arm whose runs spread like static k's is not read as wider; one
+    that spreads 3x as wide is, although the ranges of single cells overlap."""
+    rng = random.Random(3)
+
+    def cell(sd_adaptive: float) -> dict[str, list[float]]:
+        off = [10 * (1 + rng.gauss(0, 0.02)) for _ in range(5)]
+        return {OFF: off, "static:1": [12 * (1 + rng.gauss(0, 0.02)) for _ in range(5)],
+                "static:2": [13 * (1 + rng.gauss(0, 0.02)) for _ in range(5)],
+                ADAPTIVE: [13 * (1 + rng.gauss(0, sd_adaptive)) for _ in range(5)]}
+
+    equal = spread_test({w: cell(0.02) for w in "abcd"}, ADAPTIVE)
+    assert equal["df"] == 16 and equal["static_df"] == 32
+    assert equal["p_wider"] > 0.05 and 0.3 < equal["variance_ratio"] < 3
+    wider = spread_test({w: cell(0.06) for w in "abcd"}, ADAPTIVE)
+    assert wider["p_wider"] < 0.01 and wider["variance_ratio"] > 3
+    assert spread_test({"a": {OFF: [1, 2], ADAPTIVE: [1, 2]}}, ADAPTIVE) is None  # no static k to compare with
+    s = summarize(cold_rows({OFF: [10, 12, 11], "static:2": [13, 12, 14], ADAPTIVE: [13, 13, 12]}), [], [])
+    assert set(s["spread_pooled"][ADAPTIVE]) == {"raw", "paired"} and WARM not in s["spread_pooled"]
+
+
 def test_mixed_and_calibration_summary_by_hand():
     mixed = [{"arm": arm, "run": run, "batch": 16, "goodput": g, "digest": "x"}
              for arm, gs in ((OFF, [100, 100]), ("static:2", [90, 95]), (ADAPTIVE, [99, 101])) for run, g in enumerate(gs)]
@@ -117,6 +149,7 @@ def test_report_renders(tmp_path):
     assert "reads 0.970x SD off" in text  # the mixed cell's null control
     assert text.index("| w | 0 | 2 |") < text.index("| w | 0 | 4-7 |") < text.index("| w | 0 | 16+ |")
     assert "| w | 0 | 3 | 0.300 | 1.00 | 0.67 |" in text  # the checkpoint's error line
+    assert "| adaptive | paired |" in text  # the pooled spread against static k's
     assert (tmp_path / "coldstart.png").stat().st_size > 1000
 
 

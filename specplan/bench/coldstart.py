@@ -300,6 +300,53 @@ def paired_spread(runs: dict[str, list[float]], arm: str) -> float:
     return spread([a / o for a, o in zip(runs[arm], runs[OFF])])
 
 
+def pooled_spread(cells: dict[str, dict[str, list[float]]], arm: str, paired: bool = False) -> tuple[float, int]:
+    """(variance, degrees of freedom) of ``arm``'s log tok/s over runs, pooled over the cells (each
+    cell's runs about their own mean); ``paired``: of log(arm / SD off in the same run). Cells
+    without the arm, or with one run, add nothing.
+
+    Why pooled: the bar asks whether the planner's runs spread wider than static k's, and the
+    range of 5 runs is a coin flip between two arms of equal spread (its own sampling error is
+    ~35%). Pooled over the four workloads the variance rests on 16 degrees of freedom, and a
+    variance ratio can be tested (``spread_test``).
+
+    Worked example: runs [10, 11, 12] in one cell and [20, 22] in another: the log deviations
+    about each cell's mean give sums of squares 0.0166 + 0.0045, over 2 + 1 degrees of freedom:
+    variance 0.0071 (a sd of 8.4%)."""
+    total, df = 0.0, 0
+    for runs in cells.values():
+        if arm not in runs or (paired and OFF not in runs):
+            continue
+        xs = [math.log(a / o) if paired else math.log(a)
+              for a, o in zip(runs[arm], runs[OFF] if paired else runs[arm])]
+        if len(xs) < 2:
+            continue
+        mean = sum(xs) / len(xs)
+        total += sum((x - mean) ** 2 for x in xs)
+        df += len(xs) - 1
+    return (total / df if df else math.nan), df
+
+
+def spread_test(cells: dict[str, dict[str, list[float]]], arm: str, paired: bool = False) -> dict | None:
+    """``arm``'s pooled variance against the static k arms' (k >= 1; their mean variance, their
+    summed degrees of freedom): the ratio, and the one-sided F-test's p-value that the arm spreads
+    wider than static k does (small p: wider, beyond what the runs' own noise explains). None
+    without static k arms or runs to compare."""
+    from scipy import stats
+
+    statics = sorted({a for runs in cells.values() for a in runs if a.startswith("static:") and a != OFF})
+    variance, df = pooled_spread(cells, arm, paired)
+    pooled = [pooled_spread(cells, a, paired) for a in statics]
+    pooled = [(v, d) for v, d in pooled if d]
+    if not df or not pooled:
+        return None
+    static_variance = sum(v for v, _ in pooled) / len(pooled)
+    static_df = sum(d for _, d in pooled)
+    ratio = variance / static_variance if static_variance > 0 else math.inf
+    return {"sd": math.sqrt(variance), "static_sd": math.sqrt(static_variance), "variance_ratio": ratio,
+            "df": df, "static_df": static_df, "p_wider": float(stats.f.sf(ratio, df, static_df))}
+
+
 def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, after=CALIBRATION_AFTER,
               window: int = 5) -> dict:
     """Per cell: each arm's median and spread over runs, the adaptive arms' paired ratios and the
@@ -336,6 +383,9 @@ def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, a
                              "paired_spread_no_wider_than_best_static": (
                                  paired[arm] <= paired[versus] if arm in paired and versus in paired else None)}
         out["cold_start"][w] = cell
+    tok_s = {w: c["tok_s_runs"] for w, c in out["cold_start"].items()}
+    out["spread_pooled"] = {arm: {kind: spread_test(tok_s, arm, kind == "paired") for kind in ("raw", "paired")}
+                            for arm in (ADAPTIVE, WARM) if any(arm in runs for runs in tok_s.values())}
     if mixed:
         runs: dict[str, list[float]] = {}
         for r in sorted(mixed, key=lambda r: r["run"]):
@@ -455,6 +505,18 @@ def render(result: dict, out_dir: Path) -> Path:
                                  f"{yes_no(a['spread_no_wider_than_best_static'])} | "
                                  f"{yes_no(a.get('paired_spread_no_wider_than_best_static'))} | "
                                  f"{'-' if null is None else f'{null:.3f}'} | {'yes' if c['lossless'] else 'NO'} |")
+        pooled = s.get("spread_pooled") or {}  # absent from reports written before it existed
+        tests = [(arm, kind, t) for arm, kinds in pooled.items() for kind, t in kinds.items() if t]
+        if tests:
+            lines += ["", "Spread pooled over the workloads (the sd of log tok/s over runs, each workload about its own "
+                      "mean; paired: of the arm's tok/s over SD off's in the same run), against the static k arms' "
+                      "(k >= 1, their mean variance): the variance ratio and a one-sided F-test's p that the arm "
+                      "spreads wider (the range of 5 runs cannot tell two equal spreads apart; this can):", "",
+                      "| arm | reading | sd | static k's sd | variance ratio | p (wider) | degrees of freedom |",
+                      "|---|---|---|---|---|---|---|"]
+            for arm, kind, t in tests:
+                lines.append(f"| {arm} | {kind} | {100 * t['sd']:.2f}% | {100 * t['static_sd']:.2f}% | "
+                             f"{t['variance_ratio']:.2f} | {t['p_wider']:.3f} | {t['df']}, {t['static_df']} |")
     mixed = s.get("mixed")
     if mixed:
         arms = list(mixed["goodput_median"])
