@@ -93,6 +93,8 @@ def test_spread_test_tells_a_wider_arm_from_an_equal_one():
     wider = spread_test({w: cell(0.06) for w in "abcd"}, ADAPTIVE)
     assert wider["p_wider"] < 0.01 and wider["variance_ratio"] > 3
     assert spread_test({"a": {OFF: [1, 2], ADAPTIVE: [1, 2]}}, ADAPTIVE) is None  # no static k to compare with
+    flat = {"a": {"static:1": [2.0, 2.0, 2.0], ADAPTIVE: [3.0, 3.0, 3.0]}}  # nothing spreads: not wider
+    assert spread_test(flat, ADAPTIVE)["variance_ratio"] == 1.0 and spread_test(flat, ADAPTIVE)["p_wider"] > 0.4
     s = summarize(cold_rows({OFF: [10, 12, 11], "static:2": [13, 12, 14], ADAPTIVE: [13, 13, 12]}), [], [])
     assert set(s["spread_pooled"][ADAPTIVE]) == {"raw", "paired"} and WARM not in s["spread_pooled"]
 

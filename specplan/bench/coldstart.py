@@ -342,7 +342,10 @@ def spread_test(cells: dict[str, dict[str, list[float]]], arm: str, paired: bool
         return None
     static_variance = sum(v for v, _ in pooled) / len(pooled)
     static_df = sum(d for _, d in pooled)
-    ratio = variance / static_variance if static_variance > 0 else math.inf
+    if static_variance > 0:
+        ratio = variance / static_variance
+    else:  # static k's runs all alike: any spread of the arm's is wider, none is not
+        ratio = math.inf if variance > 0 else 1.0
     return {"sd": math.sqrt(variance), "static_sd": math.sqrt(static_variance), "variance_ratio": ratio,
             "df": df, "static_df": static_df, "p_wider": float(stats.f.sf(ratio, df, static_df))}
 
