@@ -27,11 +27,9 @@ from pathlib import Path
 
 def child(arm: str, workload: str, prompt_index: int, profile_path: str, out: Path) -> None:
     """One run in this process: the request under ``arm`` (adaptive or static:K), every step logged."""
-    from specplan.bench.coldstart import B1_KV_CACHE_MIB, WARMUP_PROMPT, _prompts
+    from specplan.bench.coldstart import B1_KV_CACHE_MIB, WARMUP_PROMPT, ChildJob, _decider, _prompts
     from specplan.bench.evaluate import _engine, run_cell
     from specplan.engine import FixedDecider, load_model
-    from specplan.planner.from_profile import planner_from_profile
-    from specplan.policies import make_policy
     from specplan.profiler.profile import Profile
 
     profile = Profile.load(profile_path)
@@ -41,11 +39,9 @@ def child(arm: str, workload: str, prompt_index: int, profile_path: str, out: Pa
     prompt = _prompts(loaded, workload, prompt_index + 1)[prompt_index]
     decisions: list[dict] = []  # per decide: drafts found, k chosen, the planner's price and drift then
     steps: list[dict] = []  # per observed step: forward + verify seconds, drafts, accepted
-    if arm == "adaptive":
-        decider = planner_from_profile(profile, make_policy("goodput"), proposer="ngram", max_k=8)
-    else:
-        decider = FixedDecider(int(arm.split(":")[1]))
-    decide, observe = getattr(decider, "decide"), getattr(decider, "observe")
+    # The bench's own decider for the arm (specplan/bench/coldstart.py), so the trace runs what it runs.
+    decider = _decider(ChildJob(arm, [prompt], 128, profile_path), loaded, profile)
+    decide, observe = decider.decide, decider.observe
 
     def logged_decide(view):
         t0 = time.perf_counter()
