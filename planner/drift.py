@@ -146,6 +146,15 @@ class DraftSlopeConfig:
     # machine charging drafts twice what the profile says is still learned (reports/choice-replay,
     # "The learned draft price and the run-to-run spread"). 0: the fit as it is.
     significance: float = 2.0
+    # The same for a price above the profile's (the fit says a typical step's drafts cost more
+    # than the profile says). Erring that way drafts a little less than the best choice; erring
+    # the other way drafts where drafts lose, slower than SD off: the failure users notice. Held
+    # at the profile's price until two standard errors clear, the vLLM plugin kept drafting at
+    # B = 16, where vLLM charges a few drafts up to twice what its profile's uniform grid says,
+    # and read 0.92x vLLM off in two cells (reports/vllm-peer-xeon/grid-s26). At B = 1 the
+    # replay on 40 noisy machines reads the same ratios (within 0.3%) and spreads (within 0.1
+    # point) at 2, 1 and 0.5 (reports/choice-replay, "Believing a dearer price sooner").
+    dearer_significance: float = 1.0
     noise_steps: int = 16  # the memory of the noise estimate the shrinkage uses, in steps
     min_noise_samples: int = 3  # fewer prediction errors than this: the profile's price
 
@@ -164,8 +173,9 @@ class DraftSlopeConfig:
             raise ValueError("outlier_window must be >= 1 and outlier_width > 0")
         if self.settle_steps < 0:
             raise ValueError(f"settle_steps must be >= 0, got {self.settle_steps}")
-        if self.significance < 0:
-            raise ValueError(f"significance must be >= 0, got {self.significance}")
+        if self.significance < 0 or self.dearer_significance < 0:
+            raise ValueError(f"significance and dearer_significance must be >= 0, got {self.significance}, "
+                             f"{self.dearer_significance}")
         if self.noise_steps < 1 or self.min_noise_samples < 1:
             raise ValueError("noise_steps and min_noise_samples must be >= 1")
 
@@ -253,8 +263,9 @@ class DraftSlope:
     max(0, s dT(n) + j T(base)) (``priced_seconds``).
 
     Shrinkage: the price the policy is given is the fit's, moved toward the profile's (1, 0) by
-    ``significance`` standard errors, measured against the step-to-step noise the fit's own
-    predictions meet (``_shrunk``). Where drafts add a few percent to a step that varies by a few
+    ``significance`` standard errors (``dearer_significance`` where the fit prices drafts above
+    the profile), measured against the step-to-step noise the fit's own predictions meet
+    (``_shrunk``). Where drafts add a few percent to a step that varies by a few
     percent (B = 1 on a CPU), the raw fit wanders with the noise and the choices with it; the
     profile was measured on this machine, so it stands until the evidence clearly says otherwise.
 
@@ -331,7 +342,8 @@ class DraftSlope:
 
     def _shrunk(self, b: _Bucket, r: float, q: float, v: float) -> tuple[float, float]:
         """(slope, jump) of the fit (r, q, v), moved toward the profile's (1, 0) by ``significance``
-        standard errors of the fit along the line between them, and no further than to it.
+        standard errors of the fit along the line between them (``dearer_significance`` where
+        they price a typical step's drafts above the profile), and no further than to it.
 
         The fit's covariance: the machine's step-to-step noise (``_Bucket.noise``, the variance
         of the fit's one-step prediction errors in log units, so relative to the level r) times
@@ -350,7 +362,10 @@ class DraftSlope:
         the deviation 0.5 scaled by 1 - 2 / 5 = 0.6, slope 1.3."""
         slope, jump = q / r, v / r
         cfg = self.config
-        k = cfg.significance
+        # Dearer: the deviation adds to the price of the bucket's typical step with drafts (its
+        # mean relative increment x); the policy drafts less for it, never where drafts lose.
+        typical_x = b.wxd / b.wd if b.wd > 0.0 else 0.0
+        k = cfg.dearer_significance if (slope - 1.0) * typical_x + jump > 0.0 else cfg.significance
         if k == 0.0:
             return slope, jump
         if b.noise_samples < cfg.min_noise_samples:

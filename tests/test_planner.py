@@ -1152,7 +1152,7 @@ def test_draft_price_learns_a_first_draft_cheaper_than_the_model_says():
     at +8%; serving measured about +3% for one draft and +6% for each further one. One slope
     cannot fit both; slope and jump together can. (The fit itself, not shrunk toward the profile;
     shrunk, the first draft is priced a little dearer, below.)"""
-    slope = DraftSlope(DraftSlopeConfig(significance=0.0))
+    slope = DraftSlope(DraftSlopeConfig(significance=0.0, dearer_significance=0.0))
     shrunk = DraftSlope()
     rng = random.Random(8)
     model_x = {n: 0.18 + 0.08 * (n - 1) for n in range(1, 9)}  # the model's relative increments
@@ -1188,7 +1188,7 @@ def test_draft_slope_follows_the_machine_level_while_every_step_speculates():
     runs 1.0x the model for the first 100 steps, then 0.7x."""
     from specplan.planner import DraftSlope
 
-    slope = DraftSlope(DraftSlopeConfig(significance=0.0))  # the fit itself
+    slope = DraftSlope(DraftSlopeConfig(significance=0.0, dearer_significance=0.0))  # the fit itself
     shrunk = DraftSlope()  # the price the policy is given
     rng = random.Random(4)
     for step in range(300):

@@ -14,7 +14,7 @@ import pytest
 from specplan.engine.decider import RequestRecord, RequestView, StepRecord, StepView
 from specplan.planner import Planner, PolicyState, RequestState, StepPricing
 from specplan.planner.acceptance import AcceptanceConfig, AcceptanceEstimate, PooledAcceptance, RequestAcceptance, default_prior
-from specplan.planner.drift import DraftSlope, DraftSlopeConfig
+from specplan.planner.drift import DraftPrice, DraftSlope, DraftSlopeConfig
 from specplan.planner.goodput import DraftCost, step_goodput
 from specplan.planner.timing import StepTimingLearner, TimingConfig
 from specplan.policies import GoodputPolicy, make_policy
@@ -174,14 +174,14 @@ def fitted_slope(config: DraftSlopeConfig, seed: int) -> float:
 def test_one_noisy_step_does_not_swing_the_draft_price(seed):
     # The outlier filter alone: the fit as it is, not shrunk toward the profile (which would
     # hide what the filter does here, the machine's price being the profile's).
-    filtered = fitted_slope(DraftSlopeConfig(significance=0.0), seed)
-    raw = fitted_slope(DraftSlopeConfig(outlier_width=100.0, significance=0.0), seed)  # no clipping
+    filtered = fitted_slope(DraftSlopeConfig(significance=0.0, dearer_significance=0.0), seed)
+    raw = fitted_slope(DraftSlopeConfig(outlier_width=100.0, significance=0.0, dearer_significance=0.0), seed)  # no clipping
     assert filtered == pytest.approx(1.0, abs=0.25)
     assert abs(raw - 1.0) > 2 * abs(filtered - 1.0)
 
 
-def slope_path(config: DraftSlopeConfig, draft_price: float, seed: int, steps: int = 150) -> list[float]:
-    """The learned slope after each of ``steps`` B = 1 steps on a machine whose steps vary by ~3%
+def price_path(config: DraftSlopeConfig, draft_price: float, seed: int, steps: int = 150) -> list[DraftPrice]:
+    """The learned price after each of ``steps`` B = 1 steps on a machine whose steps vary by ~3%
     (log-normal) from one to the next, and whose drafts (1-4 a step, each +5% of a step in the
     model) cost ``draft_price`` x what the model says; a plain step every 8th."""
     slope = DraftSlope(config)
@@ -194,18 +194,31 @@ def slope_path(config: DraftSlopeConfig, draft_price: float, seed: int, steps: i
         else:
             increment = 0.0005 * rng.randint(1, 4)
             slope.observe_drafts(1, 0.01, increment, (0.01 + draft_price * increment) * noise)
-        path.append(slope.slope(1))
+        path.append(slope.price(1))
     return path
+
+
+def slope_path(config: DraftSlopeConfig, draft_price: float, seed: int, steps: int = 150) -> list[float]:
+    """``price_path``'s slopes."""
+    return [p.slope for p in price_path(config, draft_price, seed, steps)]
+
+
+def typical_price_path(config: DraftSlopeConfig, draft_price: float, seed: int) -> list[float]:
+    """``price_path`` as what a typical step's drafts (2.5 of them: +12.5% in the model) cost over
+    what the model says: the slope and the jump together."""
+    return [p.slope + p.jump / 0.125 for p in price_path(config, draft_price, seed)]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_step_noise_alone_does_not_move_the_draft_price(seed):
     """At B = 1 a draft adds ~5% to a step that varies by ~3% from one step to the next: the raw fit
-    of the drafts' slope wanders by 0.1-0.2 with the noise (and the choices with it: the run-to-run
-    spread of reports/choice-replay); shrunk by two standard errors, it stays at the profile's."""
-    shrunk = slope_path(DraftSlopeConfig(), 1.0, seed)
-    raw = slope_path(DraftSlopeConfig(significance=0.0), 1.0, seed)
-    assert max(abs(s - 1.0) for s in shrunk[30:]) <= 0.06
+    of the drafts' price wanders by 0.1-0.2 with the noise (and the choices with it: the run-to-run
+    spread of reports/choice-replay); shrunk by two standard errors (one where drafts look dearer:
+    ``dearer_significance``), it stays within a few hundredths of the profile's below it and within
+    a tenth above."""
+    shrunk = typical_price_path(DraftSlopeConfig(), 1.0, seed)
+    raw = typical_price_path(DraftSlopeConfig(significance=0.0, dearer_significance=0.0), 1.0, seed)
+    assert min(shrunk[30:]) >= 0.94 and max(shrunk[30:]) <= 1.1
     assert max(abs(s - 1.0) for s in raw[30:]) >= 0.1
 
 
@@ -214,9 +227,27 @@ def test_drafts_clearly_dearer_than_the_profile_are_still_learned(seed):
     """The same machine charging drafts twice what the model says: well outside the noise, so the
     shrunk price follows the fit, two standard errors short of it."""
     shrunk = slope_path(DraftSlopeConfig(), 2.0, seed)
-    raw = slope_path(DraftSlopeConfig(significance=0.0), 2.0, seed)
+    raw = slope_path(DraftSlopeConfig(significance=0.0, dearer_significance=0.0), 2.0, seed)
     assert min(shrunk[-50:]) >= 1.6 and raw[-1] == pytest.approx(2.0, abs=0.15)
     assert all(1.0 <= s <= r + 1e-9 for s, r in zip(shrunk[-50:], raw[-50:]))  # toward the profile, never past the fit
+
+
+def test_a_price_above_the_profile_is_believed_sooner_than_one_below():
+    """Drafts dearer than the profile says are shrunk by fewer standard errors than cheaper ones
+    (``dearer_significance``): erring dear drafts a little less than the best choice, erring cheap
+    drafts where drafts lose, slower than SD off. A machine charging 1.6x is priced at 1.3 sooner
+    than with the one threshold for both (never later, on average ~8 steps sooner over 8 machines);
+    one charging 0.5x is priced as with the one threshold."""
+    symmetric = DraftSlopeConfig(dearer_significance=DraftSlopeConfig().significance)
+
+    def first_at(path: list[float], level: float) -> int:
+        return next((i for i, s in enumerate(path) if s >= level), len(path))
+
+    sooner = [first_at(slope_path(symmetric, 1.6, seed), 1.3) - first_at(slope_path(DraftSlopeConfig(), 1.6, seed), 1.3)
+              for seed in range(8)]
+    assert min(sooner) >= 0 and sum(sooner) >= 8 * 4
+    for seed in range(4):
+        assert price_path(DraftSlopeConfig(), 0.5, seed)[-50:] == price_path(symmetric, 0.5, seed)[-50:]
 
 
 def test_the_shrinkage_weighs_slope_and_jump_together():
