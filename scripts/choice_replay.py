@@ -22,7 +22,11 @@ whose choices follow its step-time readings spreads further by what its choices 
 ``--draft-price P`` replays a machine whose drafts cost P x what the profile says (what the
 planner's learned draft price is for); ``--significance S`` gives the replayed planners that
 shrinkage of their learned draft price (planner/drift.py ``DraftSlopeConfig.significance``; 0:
-the raw fit, as before 2026-11-29).
+the raw fit, as before 2026-11-29), ``--dearer-significance S`` where the fit prices drafts above
+the profile (``DraftSlopeConfig.dearer_significance``). ``--rest-level`` and ``--rest-jitter`` put noise on the time
+outside forward + verify too (what the planner's overhead and drafting-cost learner reads:
+planner/timing.py), a level per request and a jitter per step; ``--no-learn-timing`` turns that
+learner off.
 """
 
 from __future__ import annotations
@@ -69,10 +73,15 @@ def log_sd(xs: list[float]) -> float:
 
 
 def planner_options(args) -> dict:
-    """PlannerConfig fields the replayed planners get: the draft price's shrinkage, if asked for."""
-    if args.significance is None:
-        return {}
-    return {"draft_slope": DraftSlopeConfig(significance=args.significance)}
+    """PlannerConfig fields the replayed planners get: the learners' shrinkage, if asked for."""
+    options: dict = {}
+    slope = {k: v for k, v in (("significance", args.significance), ("dearer_significance", args.dearer_significance))
+             if v is not None}
+    if slope:
+        options["draft_slope"] = DraftSlopeConfig(**slope)
+    if not args.learn_timing:
+        options["learn_timing"] = False
+    return options
 
 
 def noisy_spreads(profile: Profile, workload: str, sets: dict, args) -> dict:
@@ -81,7 +90,8 @@ def noisy_spreads(profile: Profile, workload: str, sets: dict, args) -> dict:
     ratio to the best single static k (picked on the median over runs)."""
     runs: dict[str, list[float]] = {}
     for seed in range(args.noise_runs):
-        noise = StepNoise(jitter=args.jitter, level=args.level, level_every_s=args.level_every_s, seed=seed)
+        noise = StepNoise(jitter=args.jitter, level=args.level, level_every_s=args.level_every_s, seed=seed,
+                          rest_level=args.rest_level, rest_jitter=args.rest_jitter)
         cell = replay_workload(profile, sets["test"], sets["train"],
                                static_ks=tuple(int(k) for k in args.static_ks.split(",") if k),
                                overhead_s=args.overhead_ms / 1e3, charge=args.charge_decider, noise=noise,
@@ -120,10 +130,17 @@ def main() -> None:
                     help="the replayed machine charges drafts this times the profile's increment (the planner must learn it)")
     ap.add_argument("--significance", type=float, default=None,
                     help="the planners' DraftSlopeConfig.significance (default: the shipped one; 0: the raw fit)")
+    ap.add_argument("--dearer-significance", type=float, default=None,
+                    help="the planners' DraftSlopeConfig.dearer_significance (default: the shipped one)")
     ap.add_argument("--noise-runs", type=int, default=0, help="replay every arm this many times on a noisy machine")
     ap.add_argument("--jitter", type=float, default=0.03, help="log sigma of each step's own noise")
     ap.add_argument("--level", type=float, default=0.02, help="log sigma of the level's move every --level-every-s")
     ap.add_argument("--level-every-s", type=float, default=0.5)
+    ap.add_argument("--rest-level", type=float, default=0.0,
+                    help="log sigma of each request's level of the time outside forward + verify")
+    ap.add_argument("--rest-jitter", type=float, default=0.0, help="log sigma of that time's per-step noise")
+    ap.add_argument("--learn-timing", action=argparse.BooleanOptionalAction, default=True,
+                    help="the planners' overhead and drafting-cost learner (PlannerConfig.learn_timing)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]

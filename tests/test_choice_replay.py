@@ -97,3 +97,34 @@ def test_step_noise_is_the_same_for_every_decider_of_a_run():
     assert first == again and first[0] == other[0] == quiet[0] == len(output)
     assert first[1] != quiet[1] and other[1] != first[1]
     assert 0.7 * quiet[1] < first[1] < 1.4 * quiet[1]
+
+
+def test_rest_noise_reaches_the_time_the_decider_is_told_and_only_that():
+    # The time outside forward + verify: with its noise at zero the replay is the one it always
+    # was (the other draws untouched); with it on, each step's record tells the decider a rest of
+    # overhead x a level drawn per request x a jitter per step, and the step is charged that.
+    class Flat:
+        def predict(self, shape):
+            return 0.010 + 0.001 * shape.num_tokens
+
+    class Recording(FixedDecider):
+        def __init__(self):
+            super().__init__(2)
+            self.rests = []
+
+        def observe(self, record):
+            self.rests.append(record.total_s - record.forward_s - record.verify_s)
+
+    prompt, output = [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13] * 3
+    pricing = ReplayPricing(Flat(), overhead_s=0.001)
+    noise = StepNoise(jitter=0.05, level=0.05, seed=4)
+    plain = serve(FixedDecider(2), prompt, output, pricing, 0, noise.machine(0))
+    assert serve(FixedDecider(2), prompt, output, pricing, 0,
+                 StepNoise(jitter=0.05, level=0.05, seed=4, rest_level=0.0, rest_jitter=0.0).machine(0)) == plain
+    told = Recording()
+    rest_noise = StepNoise(jitter=0.05, level=0.05, seed=4, rest_level=0.1, rest_jitter=0.3)
+    noisy = serve(told, prompt, output, pricing, 0, rest_noise.machine(0))
+    rests = told.rests
+    assert len(set(round(r, 9) for r in rests)) == len(rests) > 3  # a jitter per step
+    assert all(0.2e-3 < r < 5e-3 for r in rests)
+    assert noisy[1] - plain[1] == pytest.approx(sum(rests) - 0.001 * len(rests), rel=1e-6)  # charged what it was told

@@ -48,12 +48,20 @@ class StepNoise:
     minute on a shared VM), times an independent ``jitter`` (log sigma) per step. ``seed`` names
     the run: every decider of a run sees the same level at the same elapsed time and the same
     jitter at the same step index (common random numbers), so ratios within a run hold the
-    noise's share that no choice causes."""
+    noise's share that no choice causes.
+
+    ``rest_level`` and ``rest_jitter`` (log sigmas) do the same for the time outside forward +
+    verify: a level drawn once per request (the process's Python runs faster or slower than
+    its forward pass does: traced per cold request, its median moved by ~7% between runs) times
+    a jitter per step (~0.25 in the same traces: the step's bookkeeping, the decider's calls,
+    allocation). 0 and 0: that time is a constant, as before they were modeled."""
 
     jitter: float = 0.03
     level: float = 0.02
     level_every_s: float = 0.5
     seed: int = 0
+    rest_level: float = 0.0
+    rest_jitter: float = 0.0
 
     def machine(self, request: int) -> "NoisyMachine":
         """The noise one request meets (request ``request`` of the run)."""
@@ -70,6 +78,14 @@ class NoisyMachine:
         self._elapsed_s = 0.0
         self._next_move_s = noise.level_every_s
         self._log_level = 0.0
+        # The time outside forward + verify: a stream of its own, so the other draws stay as they were.
+        self._rest_rng = random.Random(-2 * seed - 1)
+        self._rest_log_level = self._rest_rng.gauss(0.0, noise.rest_level) if noise.rest_level else 0.0
+
+    def rest_factor(self) -> float:
+        """What the next step's time outside forward + verify takes, over the modeled overhead."""
+        jitter = self.noise.rest_jitter
+        return math.exp(self._rest_log_level + (self._rest_rng.gauss(0.0, jitter) if jitter else 0.0))
 
     def factor(self, seconds: float) -> float:
         """What a step priced at ``seconds`` takes on this machine, over its price."""
@@ -131,13 +147,15 @@ def serve(decider, prompt: list[int], output: list[int], pricing: ReplayPricing,
 
     # The prefill step: the prompt's forward pass samples the first output token.
     seconds = latency.predict(StepShape(1, len(prompt), len(prompt)))
+    rest_s = overhead_s
     if machine is not None:
         seconds *= machine.factor(seconds)
+        rest_s *= machine.rest_factor()
     spent = 0.0
     if observe is not None:
         spent = timed(observe, StepRecord((), 1, len(prompt), len(prompt), len(prompt), 0.0, seconds, 0.0,
-                                          seconds + overhead_s))[1]
-    seconds += overhead_s + charge * spent
+                                          seconds + rest_s))[1]
+    seconds += rest_s + charge * spent
     toks.append(output[0])
     p = 1
     while p < len(output):
@@ -160,13 +178,15 @@ def serve(decider, prompt: list[int], output: list[int], pricing: ReplayPricing,
             accepted += 1
         emitted = accepted + 1
         step_s = pricing.step_seconds(context, k)
+        rest_s = overhead_s
         if machine is not None:
             step_s *= machine.factor(step_s)
+            rest_s *= machine.rest_factor()
         if observe is not None:
             natural = min(available, MAX_NATURAL_K) if k else None
             rr = RequestRecord(seq_id, request_id, k, k, accepted, emitted, natural, (match_length or None) if k else None)
-            spent += timed(observe, StepRecord((rr,), 1, 1 + k, 0, context + k, 0.0, step_s, 0.0, step_s + overhead_s))[1]
-        seconds += step_s + overhead_s + charge * spent
+            spent += timed(observe, StepRecord((rr,), 1, 1 + k, 0, context + k, 0.0, step_s, 0.0, step_s + rest_s))[1]
+        seconds += step_s + rest_s + charge * spent
         toks.extend(output[p:p + emitted])
         p += emitted
     return len(output), seconds
