@@ -99,6 +99,27 @@ def test_spread_test_tells_a_wider_arm_from_an_equal_one():
     assert set(s["spread_pooled"][ADAPTIVE]) == {"raw", "paired"} and WARM not in s["spread_pooled"]
 
 
+def test_the_robust_reading_is_not_carried_by_one_slow_run():
+    """An arm whose runs spread like static k's but for one run 12% slow (a process that met a busy
+    minute): the F-test reads it wider, the Brown-Forsythe reading does not; an arm 3x as wide in
+    every run is wider in both."""
+    rng = random.Random(5)
+
+    def cell(sd_adaptive: float, slow_run: bool) -> dict[str, list[float]]:
+        runs = {OFF: [10 * (1 + rng.gauss(0, 0.02)) for _ in range(5)]}
+        for k in (1, 2, 4):
+            runs[f"static:{k}"] = [12 * (1 + rng.gauss(0, 0.02)) for _ in range(5)]
+        runs[ADAPTIVE] = [13 * (1 + rng.gauss(0, sd_adaptive)) for _ in range(5)]
+        if slow_run:
+            runs[ADAPTIVE][2] *= 0.88
+        return runs
+
+    one_slow = spread_test({w: cell(0.02, w == "a") for w in "abcd"}, ADAPTIVE)
+    assert one_slow["p_wider"] < 0.05 < one_slow["p_wider_robust"]
+    wider = spread_test({w: cell(0.06, False) for w in "abcd"}, ADAPTIVE)
+    assert wider["p_wider"] < 0.01 and wider["p_wider_robust"] < 0.05 and wider["deviation_ratio"] > 2
+
+
 def test_mixed_and_calibration_summary_by_hand():
     mixed = [{"arm": arm, "run": run, "batch": 16, "goodput": g, "digest": "x"}
              for arm, gs in ((OFF, [100, 100]), ("static:2", [90, 95]), (ADAPTIVE, [99, 101])) for run, g in enumerate(gs)]
