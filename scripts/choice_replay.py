@@ -23,10 +23,10 @@ whose choices follow its step-time readings spreads further by what its choices 
 planner's learned draft price is for); ``--significance S`` gives the replayed planners that
 shrinkage of their learned draft price (planner/drift.py ``DraftSlopeConfig.significance``; 0:
 the raw fit, as before 2026-11-29), ``--dearer-significance S`` where the fit prices drafts above
-the profile (``DraftSlopeConfig.dearer_significance``). ``--rest-level`` and ``--rest-jitter`` put noise on the time
-outside forward + verify too (what the planner's overhead and drafting-cost learner reads:
-planner/timing.py), a level per request and a jitter per step; ``--no-learn-timing`` turns that
-learner off.
+the profile (``DraftSlopeConfig.dearer_significance``). ``--rest-level`` and ``--rest-jitter`` put
+noise on the time outside forward + verify too (what the planner's overhead and drafting-cost
+learner reads: planner/timing.py), a level per request and a jitter per step; ``--no-learn-timing``
+turns that learner off.
 """
 
 from __future__ import annotations
