@@ -170,6 +170,9 @@ class Planner:
         weighs = getattr(policy, "weighs_planning_cost", False) and self.latency is not None
         self.pause = PlanningPause(config.pause) if config.pause is not None and weighs else None
         self._screen_s = 0.0  # the latest screen's own seconds, charged to the step it screened
+        # Whether the latest record ran a prompt: its step and the one after it are not timed for
+        # the overhead learner (``_times_overhead``).
+        self._prefilled = False
 
     # ------------------------------------------------------------------ helpers
 
@@ -425,12 +428,25 @@ class Planner:
             p.refresh()
         if self.latency is not None:
             self._observe_step_time(record, sum(rr.num_proposed for rr in record.requests))
-        if self.config.learn_timing:
+        if self.config.learn_timing and self._times_overhead(record):
             # The passes a draft model ran, as the engine reports them (a stop's last pass too; none
             # for a chain's lookup drafts); else the deepest k.
             passes = getattr(record, "draft_passes", None)
             self._timing_for(proposer).observe(record.total_s - record.forward_s - record.verify_s, total_drafts,
                                                deepest if passes is None else passes)
+
+    def _times_overhead(self, record: StepRecord) -> bool:
+        """Whether this step's time outside forward + verify is learned from: not a step that ran a
+        prompt, nor the one right after it. That next step carries the work for the new requests
+        (their lookup index built over the whole prompt: the engine's proposer indexes it in the
+        first decode step, the vLLM plugin in the call after the prompt ran, whose time goes to the
+        next step), and when it also carried drafts, the fit read that work as what drafting costs.
+        Traced in vLLM at B = 16 (reports/vllm-peer-xeon, "The first step after the prompts"): a
+        21 ms first call beside 2 drafts taught a lookup proposer's drafts 8.5 ms each, on a 156 ms
+        step, and the plugin drafted nothing for the rest of the run (its steps without drafts
+        cannot teach that cost back)."""
+        after_prefill, self._prefilled = self._prefilled, record.num_prefill_tokens > 0
+        return not (after_prefill or self._prefilled)
 
     def _observe_step_time(self, record: StepRecord, drafts: int) -> None:
         """Closed loop on step time: the drift factor from every step, the drafts' slope from

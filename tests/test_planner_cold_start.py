@@ -300,6 +300,32 @@ def test_a_pause_now_and_then_does_not_swing_the_overhead():
     assert overhead_with_pauses(TimingConfig(outlier_width=1e9)) > 0.005  # unfiltered: 7x what it is
 
 
+def test_the_step_after_the_prompts_does_not_teach_what_drafts_cost():
+    """What the vLLM plugin met at B = 16: the call after 16 prompts ran indexed them all (21 ms)
+    and gave one request 2 drafts; that call's time is charged to the next step. Learned from, it
+    priced each draft at ~8.5 ms of a 156 ms step, and steps without drafts never taught it back.
+    The planner learns the time outside forward + verify from neither a step that ran a prompt nor
+    the one after it."""
+    n = 16
+    plain = tuple(RequestRecord(i, f"r{i}", 0, 0, 0, 1) for i in range(n))
+    first = (RequestRecord(0, "r0", 2, 2, 1, 2),) + plain[1:]
+    rests = [0.0033, 0.021] + [0.002] * 30
+    records = [StepRecord((), n, 1373, 1373, 1373, 0.0, 2.6, 0.0, 2.6 + rests[0]),
+               StepRecord(first, n, n + 2, 0, 1618, 0.0, 0.25, 0.0, 0.25 + rests[1])]
+    records += [StepRecord(plain, n, n, 0, 1616, 0.0, 0.156, 0.0, 0.156 + r) for r in rests[2:]]
+    planner = Planner(make_policy("goodput"), RidgeLatency(a=0.15, b=0.002, ridge_tokens=n), proposer="ngram")
+    for record in records:
+        planner.observe(record)
+    assert planner.draft_cost.per_token_s < 1e-4
+    assert planner.overhead_s == pytest.approx(0.002, abs=3e-4)
+    # Fed every step, as before: the first call's work read as the drafts' cost.
+    learner = StepTimingLearner(DraftCost(), fit_per_pass=False)
+    for record, rest in zip(records, rests):
+        drafts = sum(r.num_proposed for r in record.requests)
+        learner.observe(rest, drafts, drafts)
+    assert learner.draft_cost.per_token_s > 5e-3
+
+
 # ------------------------------------------------------------------ mixed batches
 
 def test_a_mixed_batch_gives_each_population_its_own_k():

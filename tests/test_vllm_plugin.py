@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -155,7 +156,13 @@ def test_acceptance_and_step_time_reach_the_planner():
     b.put(1, OTHER + [23])
     out = drafter.propose([[5], [23]], b.lens, b.toks)
     assert out == [[6, 7, 8], [20, 21, 22]]
-    assert planner.records == []  # both rows were prefills: no drafts of theirs have run yet
+    # Both rows were prefills: no drafts of theirs have run yet; the planner is told that prompts
+    # ran (so it does not learn what drafting costs from the next step, which carries this call's
+    # indexing of them), with no time, as the step followed an idle gap.
+    (prompts,) = planner.records
+    assert prompts.requests == () and prompts.num_prefill_tokens == len(REPEATING) + len(OTHER) == prompts.num_tokens
+    assert math.isnan(prompts.total_s) and math.isnan(prompts.forward_s) and drafter.stats.steps_observed == 0
+    planner.records.clear()
     view = planner.views[-1]
     assert [(r.available_drafts, r.max_k) for r in view.requests] == [(4, 4), (4, 4)]  # vLLM's K
     assert view.requests[0].match_length == 9 and view.draft_budget == 254

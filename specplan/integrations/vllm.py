@@ -280,6 +280,13 @@ class PlanningDrafter:
         if self._prev_start is not None and any(r.continued for r in batch.decodes):
             self.planner.observe(self._record(batch, clock_start - self._prev_start, slot_mappings))
             self.stats.steps_observed += 1
+        elif batch.decodes:
+            # Every decoding row is new: their prompts ran in the step just done, after an idle
+            # gap (nothing to time). The planner is still told that prompts ran, so that it treats
+            # the next step as the engine's first decode step after a prompt: it carries this
+            # call's work for the new rows (their lookup index, built over the whole prompt), which
+            # is no measure of what drafting costs (planner/controller.py ``_times_overhead``).
+            self.planner.observe(self._prompts_record(batch))
         t2 = now()
         phase["observe"] += t2 - t1
         out: list[list[int]] = [[] for _ in range(batch.num_rows)]
@@ -332,6 +339,16 @@ class PlanningDrafter:
         return StepRecord(requests=tuple(reqs), num_seqs=batch.num_rows, num_tokens=decode_tokens + prefill_tokens,
                           num_prefill_tokens=prefill_tokens, context_tokens=context + prefill_tokens,
                           propose_s=own, forward_s=total_s - own, verify_s=0.0, total_s=total_s)
+
+    @staticmethod
+    def _prompts_record(batch: BatchRows) -> StepRecord:
+        """The step that ran the prompts of a batch whose rows are all new: no decode in it, its
+        times unknown (NaN: the time since the previous call spans an idle gap)."""
+        prompt_tokens = sum(r.request.num_tokens - r.num_sampled for r in batch.decodes)
+        unknown = math.nan
+        return StepRecord(requests=(), num_seqs=batch.num_rows, num_tokens=prompt_tokens,
+                          num_prefill_tokens=prompt_tokens, context_tokens=prompt_tokens,
+                          propose_s=unknown, forward_s=unknown, verify_s=0.0, total_s=unknown)
 
     def _draft(self, batch: BatchRows, out: list[list[int]]) -> None:
         """Look every decoding row up, ask the planner for k per row, fill ``out``."""
