@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from specplan.bench.coldstart import (ADAPTIVE, OFF, WARM, CalibrationRecorder, ChildJob, pooled_spread, render,
-                                      spawn, spread_test, summarize)
+from specplan.bench.coldstart import (ADAPTIVE, OFF, WARM, CalibrationRecorder, ChildJob, pooled_cells,
+                                      pooled_spread, render, spawn, spread_test, summarize)
 from specplan.bench.evaluate import NULL_CONTROL
 from specplan.engine.decider import RequestRecord, RequestView, StepRecord, StepView
 from specplan.planner import Planner
@@ -118,6 +118,23 @@ def test_the_robust_reading_is_not_carried_by_one_slow_run():
     assert one_slow["p_wider"] < 0.05 < one_slow["p_wider_robust"]
     wider = spread_test({w: cell(0.06, False) for w in "abcd"}, ADAPTIVE)
     assert wider["p_wider"] < 0.01 and wider["p_wider_robust"] < 0.05 and wider["deviation_ratio"] > 2
+
+
+def test_reports_pool_as_cells_of_their_own():
+    """Two reports of the same workload measured in hours of different speed (the second 30%
+    slower): pooled, each stays its own cell, so the hours' difference adds no spread and the
+    degrees of freedom add up; run together as one cell they would read a wide arm."""
+    fast = {OFF: [10, 10.2, 9.8], "static:2": [12, 12.2, 11.8], ADAPTIVE: [13, 13.3, 12.7]}
+    slow = {arm: [0.7 * x for x in xs] for arm, xs in fast.items()}
+    results = {name: {"summary": summarize(cold_rows(runs), [], [])} for name, runs in (("s1", fast), ("s2", slow))}
+    cells = pooled_cells(results)
+    assert set(cells) == {"s1/w", "s2/w"}
+    one = spread_test({"w": fast}, ADAPTIVE)
+    pooled = spread_test(cells, ADAPTIVE)
+    assert pooled["df"] == 2 * one["df"] and pooled["static_df"] == 2 * one["static_df"]
+    assert pooled["variance_ratio"] == pytest.approx(one["variance_ratio"], rel=1e-6)
+    merged = {arm: fast[arm] + slow[arm] for arm in fast}
+    assert spread_test({"w": merged}, ADAPTIVE)["sd"] > 5 * pooled["sd"]
 
 
 def test_mixed_and_calibration_summary_by_hand():

@@ -382,6 +382,19 @@ def spread_test(cells: dict[str, dict[str, list[float]]], arm: str, paired: bool
             "deviation_ratio": deviation_ratio, "p_wider_robust": float(robust)}
 
 
+def report_cells(result: dict) -> dict[str, dict[str, list[float]]]:
+    """A written report's cold-start cells as ``spread_test`` reads them: workload -> arm -> tok/s per run."""
+    return {w: cell["tok_s_runs"] for w, cell in result["summary"]["cold_start"].items()}
+
+
+def pooled_cells(results: dict[str, dict]) -> dict[str, dict[str, list[float]]]:
+    """The cells of several reports (name -> its coldstart.json), keyed "name/workload": each
+    report's workload stays a cell of its own, so two hours of different speed add no spread,
+    and ``spread_test`` over them rests on every report's degrees of freedom (16 per report of
+    four workloads and five runs, where one report's reading has flipped with the hour)."""
+    return {f"{name}/{w}": runs for name, result in results.items() for w, runs in report_cells(result).items()}
+
+
 def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, after=CALIBRATION_AFTER,
               window: int = 5) -> dict:
     """Per cell: each arm's median and spread over runs, the adaptive arms' paired ratios and the
