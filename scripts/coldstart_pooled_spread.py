@@ -18,17 +18,12 @@ import argparse
 import json
 from pathlib import Path
 
-from specplan.bench.coldstart import ADAPTIVE, WARM, pooled_cells, report_cells, spread_test
+from specplan.bench.coldstart import pooled_cells, report_cells, spread_readings
 
 
 def readings(cells: dict[str, dict[str, list[float]]]) -> list[dict]:
-    rows = []
-    for arm in (ADAPTIVE, WARM):
-        for kind in ("raw", "paired"):
-            test = spread_test(cells, arm, kind == "paired")
-            if test is not None:
-                rows.append({"arm": arm, "reading": kind, **test})
-    return rows
+    return [{"arm": arm, "reading": kind, **test} for arm, by_kind in spread_readings(cells).items()
+            for kind, test in by_kind.items() if test is not None]
 
 
 def main() -> None:

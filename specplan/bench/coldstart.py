@@ -382,6 +382,12 @@ def spread_test(cells: dict[str, dict[str, list[float]]], arm: str, paired: bool
             "deviation_ratio": deviation_ratio, "p_wider_robust": float(robust)}
 
 
+def spread_readings(cells: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, dict | None]]:
+    """``spread_test`` of each adaptive arm present, raw and paired: arm -> reading -> test."""
+    return {arm: {kind: spread_test(cells, arm, kind == "paired") for kind in ("raw", "paired")}
+            for arm in (ADAPTIVE, WARM) if any(arm in runs for runs in cells.values())}
+
+
 def report_cells(result: dict) -> dict[str, dict[str, list[float]]]:
     """A written report's cold-start cells as ``spread_test`` reads them: workload -> arm -> tok/s per run."""
     return {w: cell["tok_s_runs"] for w, cell in result["summary"]["cold_start"].items()}
@@ -432,8 +438,7 @@ def summarize(cold: list[dict], mixed: list[dict], calibration: list[dict], *, a
                                  paired[arm] <= paired[versus] if arm in paired and versus in paired else None)}
         out["cold_start"][w] = cell
     tok_s = {w: c["tok_s_runs"] for w, c in out["cold_start"].items()}
-    out["spread_pooled"] = {arm: {kind: spread_test(tok_s, arm, kind == "paired") for kind in ("raw", "paired")}
-                            for arm in (ADAPTIVE, WARM) if any(arm in runs for runs in tok_s.values())}
+    out["spread_pooled"] = spread_readings(tok_s)
     if mixed:
         runs: dict[str, list[float]] = {}
         for r in sorted(mixed, key=lambda r: r["run"]):
