@@ -16,6 +16,15 @@ The jump j exists because CPU GEMM libraries have a fast matrix-vector path for 
 this machine a step of 2 tokens costs ~1.5x a step of 1, then the curve is flat again for a
 while. Fitted by non-negative least squares on relative error (each row divided by its measured
 time), so fast and slow cells count alike.
+
+A row tile, where the grid shows one: GEMM micro-kernels compute a block of R rows (tokens) at a
+time, and when the weights do not stay in cache each further block streams them again, so the
+step is a staircase in N: flat up to R tokens, then a jump. vLLM-CPU on an AVX-512 Zen 4 VM
+steps at R = 6 (measured, B = 4: 4, 5, 6 tokens 43.4, 44.0, 44.6 ms; 7 tokens 53.1 ms;
+reports/vllm-peer-zen4), which no convex curve can follow: it priced the 7th token at a tenth of
+its cost and the 4th at several times it, so the planner drafted past the tile where drafts did not
+pay and left free drafts below it. The term ``r * (ceil(N / R) - 1)`` is added for the R among
+``ROW_TILES`` that fits best, kept only where it cuts the fit's error by ``MIN_TILE_GAIN``.
 """
 
 from __future__ import annotations
@@ -29,6 +38,18 @@ from scipy.optimize import nnls
 from .latency_model import StepShape
 
 DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Row tiles tried (the rows common CPU GEMM micro-kernels block by), and how much smaller the
+# fit's relative squared error must get for one to be kept: a spurious tile on a smooth grid
+# cuts it by a few percent at most (the Xeon VM's fp32 engine grid: 1.6%; vLLM-CPU on Zen 4 with
+# R = 6: 14%; the Q4_1 engine on the Xeon with R = 8: 19%).
+ROW_TILES = (4, 6, 8, 12, 16)
+MIN_TILE_GAIN = 0.10
+
+
+def row_blocks(num_tokens: int, row_tile: int) -> int:
+    """Row blocks past the first a step of ``num_tokens`` query tokens runs (0 without a tile).
+    Worked example: row_tile 6 -> 1..6 tokens 0, 7..12 tokens 1, 13 tokens 2."""
+    return (num_tokens - 1) // row_tile if row_tile and num_tokens > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -40,12 +61,16 @@ class HingeLatencyModel:
     per_seq: float  # seconds per sequence
     multi_token_jump: float = 0.0  # seconds added once a step has 2 or more tokens
     per_query_context: float = 0.0  # seconds per query token per KV token of its sequence (N * C / B)
+    row_tile: int = 0  # tokens per GEMM row block (0: no staircase)
+    per_row_block: float = 0.0  # seconds per row block past the first (``row_blocks``)
 
     def predict(self, shape: StepShape) -> float:
         n = shape.num_tokens
         t = self.intercept + self.per_context_token * shape.context_tokens + self.per_seq * shape.num_seqs
         if self.per_query_context:
             t += self.per_query_context * n * shape.context_tokens / max(1, shape.num_seqs)
+        if self.row_tile:
+            t += self.per_row_block * row_blocks(n, self.row_tile)
         if n >= 2:
             t += self.multi_token_jump
         for knot, slope in zip(self.knots, self.slopes):
@@ -59,9 +84,12 @@ class HingeLatencyModel:
         function of the token count, read off its values at the knots by interpolation; tests
         check that both forms agree. Shapes: num_tokens [n], context_tokens [n] -> seconds [n]."""
         knots_x, knots_y = self._hinge_points
-        return (self.intercept + self.per_context_token * context_tokens + self.per_seq * num_seqs
-                + self.per_query_context * num_tokens * context_tokens / max(1, num_seqs)
-                + self.multi_token_jump * (num_tokens >= 2) + np.interp(num_tokens, knots_x, knots_y))
+        t = (self.intercept + self.per_context_token * context_tokens + self.per_seq * num_seqs
+             + self.per_query_context * num_tokens * context_tokens / max(1, num_seqs)
+             + self.multi_token_jump * (num_tokens >= 2) + np.interp(num_tokens, knots_x, knots_y))
+        if self.row_tile:
+            t = t + self.per_row_block * ((np.maximum(num_tokens, 1) - 1) // self.row_tile)
+        return t
 
     def predict_added(self, base: StepShape, count: int) -> list[float]:
         """``predict_many`` at base.num_tokens + n and base.context_tokens + n for n = 0..count, in
@@ -72,6 +100,7 @@ class HingeLatencyModel:
         b, n0, c0 = base.num_seqs, base.num_tokens, base.context_tokens
         fixed_b, per_b = self.per_seq * b, max(1, b)
         a, pc, pq, jump = self.intercept, self.per_context_token, self.per_query_context, self.multi_token_jump
+        tile, per_block = self.row_tile, self.per_row_block
         out = []
         j, last = 0, len(xs) - 2  # j: the knot segment [xs[j], xs[j + 1]) holding n (n only grows)
         for n, c in zip(range(n0, n0 + count + 1), range(c0, c0 + count + 1)):
@@ -81,7 +110,8 @@ class HingeLatencyModel:
                 while j < last and n >= xs[j + 1]:
                     j += 1
                 hinge = slopes[j] * (n - xs[j]) + ys[j]  # np.interp: slope * (x - x_j) + y_j
-            out.append(a + pc * c + fixed_b + pq * n * c / per_b + jump * (n >= 2) + hinge)
+            t = a + pc * c + fixed_b + pq * n * c / per_b + jump * (n >= 2) + hinge
+            out.append(t + per_block * row_blocks(n, tile) if tile else t)
         return out
 
     @cached_property
@@ -103,36 +133,55 @@ class HingeLatencyModel:
         return {"form": "hinge", "intercept": self.intercept, "multi_token_jump": self.multi_token_jump,
                 "knots": list(self.knots), "slopes": list(self.slopes),
                 "per_context_token": self.per_context_token, "per_seq": self.per_seq,
-                "per_query_context": self.per_query_context}
+                "per_query_context": self.per_query_context, "row_tile": self.row_tile,
+                "per_row_block": self.per_row_block}
 
     @staticmethod
     def from_dict(d: dict) -> "HingeLatencyModel":
         return HingeLatencyModel(float(d["intercept"]), tuple(float(k) for k in d["knots"]),
                                  tuple(float(s) for s in d["slopes"]), float(d["per_context_token"]), float(d["per_seq"]),
-                                 float(d.get("multi_token_jump", 0.0)), float(d.get("per_query_context", 0.0)))
+                                 float(d.get("multi_token_jump", 0.0)), float(d.get("per_query_context", 0.0)),
+                                 int(d.get("row_tile", 0)), float(d.get("per_row_block", 0.0)))
 
 
-def _features(shapes: list[StepShape], knots: tuple[float, ...]) -> np.ndarray:
+def _features(shapes: list[StepShape], knots: tuple[float, ...], row_tile: int = 0) -> np.ndarray:
     rows = []
     for s in shapes:
         rows.append([1.0, float(s.num_tokens >= 2)] + [max(0.0, s.num_tokens - k) for k in knots]
-                    + [float(s.context_tokens), float(s.num_seqs), s.num_tokens * s.context_tokens / max(1, s.num_seqs)])
-    return np.asarray(rows)  # [cells, 2 + knots + 3]
+                    + [float(s.context_tokens), float(s.num_seqs), s.num_tokens * s.context_tokens / max(1, s.num_seqs),
+                       float(row_blocks(s.num_tokens, row_tile))])
+    return np.asarray(rows)  # [cells, 2 + knots + 4]; the last column all 0 without a tile
 
 
-def fit_latency_model(shapes: list[StepShape], seconds: list[float], knots: tuple[float, ...] = DEFAULT_KNOTS
-                      ) -> HingeLatencyModel:
+def fit_latency_model(shapes: list[StepShape], seconds: list[float], knots: tuple[float, ...] = DEFAULT_KNOTS,
+                      row_tiles: tuple[int, ...] = ROW_TILES) -> HingeLatencyModel:
+    """The fit, with the row tile among ``row_tiles`` (none: ``()``) that cuts its relative
+    squared error most, if by ``MIN_TILE_GAIN`` or more."""
     if len(shapes) != len(seconds) or not shapes:
         raise ValueError("need one measured time per shape, and at least one")
     max_tokens = max(s.num_tokens for s in shapes)
     knots = tuple(k for k in knots if k < max_tokens) or (knots[0],)
-    x = _features(shapes, knots)
     y = np.asarray(seconds, dtype=float)
     weight = 1.0 / y  # relative error
-    coef, _ = nnls(x * weight[:, None], y * weight)
+
+    def solve(tile: int) -> tuple[np.ndarray, float]:
+        x = _features(shapes, knots, tile)
+        if not tile:
+            x = x[:, :-1]  # no tile column: nnls would carry a zero column
+        coef, residual = nnls(x * weight[:, None], y * weight)
+        return (coef if tile else np.append(coef, 0.0)), residual ** 2
+
+    coef, error = solve(0)
+    tile, to_beat = 0, (1.0 - MIN_TILE_GAIN) * error
+    for candidate in row_tiles:
+        if candidate < max_tokens:  # a tile the grid never passes says nothing
+            c, e = solve(candidate)
+            if e < to_beat:
+                tile, coef, to_beat = candidate, c, e
     return HingeLatencyModel(float(coef[0]), knots, tuple(float(c) for c in coef[2:2 + len(knots)]),
-                             float(coef[-3]), float(coef[-2]), multi_token_jump=float(coef[1]),
-                             per_query_context=float(coef[-1]))
+                             float(coef[-4]), float(coef[-3]), multi_token_jump=float(coef[1]),
+                             per_query_context=float(coef[-2]), row_tile=tile,
+                             per_row_block=float(coef[-1]) if tile else 0.0)
 
 
 def mape(predicted: list[float] | np.ndarray, measured: list[float] | np.ndarray) -> float:
@@ -141,12 +190,12 @@ def mape(predicted: list[float] | np.ndarray, measured: list[float] | np.ndarray
     return float(np.mean(np.abs(p - m) / m) * 100.0)
 
 
-def heldout_error(shapes: list[StepShape], seconds: list[float], every: int = 4, knots=DEFAULT_KNOTS
-                  ) -> tuple[float, list[int]]:
+def heldout_error(shapes: list[StepShape], seconds: list[float], every: int = 4, knots=DEFAULT_KNOTS,
+                  row_tiles: tuple[int, ...] = ROW_TILES) -> tuple[float, list[int]]:
     """MAPE on cells held out of the fit (every ``every``-th cell, offset so that the smallest and
     largest shapes stay in the training set); returns the error and the held-out indices."""
     order = sorted(range(len(shapes)), key=lambda i: (shapes[i].num_tokens, shapes[i].context_tokens))
     held = [i for j, i in enumerate(order) if j % every == every // 2 and 0 < j < len(order) - 1]
     train = [i for i in range(len(shapes)) if i not in set(held)]
-    model = fit_latency_model([shapes[i] for i in train], [seconds[i] for i in train], knots)
+    model = fit_latency_model([shapes[i] for i in train], [seconds[i] for i in train], knots, row_tiles)
     return mape([model.predict(shapes[i]) for i in held], [seconds[i] for i in held]), held

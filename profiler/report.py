@@ -15,6 +15,17 @@ from .machine import describe, machine_info
 from .profile import Profile
 
 
+def _row_tile_lines(profile) -> list[str]:
+    """The staircase the fit found, if any (profiler/fit.py ``ROW_TILES``): what it means for drafts."""
+    model = profile.model()
+    tile = getattr(model, "row_tile", 0)
+    if not tile:
+        return []
+    return ["", f"Row tile: the step is a staircase in query tokens, **{1e3 * model.per_row_block:.1f} ms more for "
+                f"every {tile} tokens past the first {tile}** (the GEMM computes {tile} rows at a time): drafts "
+                f"that fill a batch's last block are nearly free, the one that starts a new block is not."]
+
+
 def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int, weight_itemsize: float) -> int | None:
     """Smallest tokens-per-step (B*T, T=1) whose analytic intensity passes the ridge."""
     for tokens in range(1, 4097):
@@ -101,6 +112,7 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
         f"Fitted form: convex piecewise-linear in tokens per step + KV tokens + sequences + query tokens x context per sequence (profiler/fit.py). "
         f"Error on {f.num_heldout} held-out cells: **{f.heldout_mape:.1f}%** MAPE (train {f.train_mape:.1f}%); "
         f"the pure roofline prediction: {f.roofline_mape:.1f}%.",
+        *_row_tile_lines(profile),
         "", "Drafting cost per proposer:", "",
         "| proposer | per step (ms) | per token or sequence (ms) |", "|---|---|---|",
     ]

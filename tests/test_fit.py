@@ -71,14 +71,55 @@ def test_model_round_trips_through_dict():
     model = fit_latency_model(shapes, secs)
     again = HingeLatencyModel.from_dict(model.to_dict())
     assert again == model
+    tiled = fit_latency_model(*staircase_grid())
+    assert tiled.row_tile and HingeLatencyModel.from_dict(tiled.to_dict()) == tiled
+
+
+def staircase(shape: StepShape) -> float:
+    # A GEMM that computes 6 rows at a time and streams the weights again for every further block:
+    # flat up to 6 tokens, +8 ms at 7, 13, ...; a gentle slope and attention besides.
+    return 0.040 + 0.008 * ((shape.num_tokens - 1) // 6) + 2e-4 * shape.num_tokens + 2e-7 * shape.context_tokens
+
+
+def staircase_grid(noise: float = 0.0, seed: int = 0):
+    rng = random.Random(seed)
+    shapes, secs = [], []
+    for b in (1, 2, 4, 8, 16, 32):
+        for t in (1, 2, 3, 5, 9):
+            for ctx in (128, 512):
+                s = StepShape(b, b * t, b * (ctx + t))
+                shapes.append(s)
+                secs.append(staircase(s) * (1 + rng.gauss(0, noise)))
+    return shapes, secs
+
+
+def test_fit_finds_the_row_tile_of_a_staircase_and_prices_the_step_past_it():
+    shapes, secs = staircase_grid(noise=0.01)
+    model = fit_latency_model(shapes, secs)
+    assert model.row_tile == 6
+    assert model.per_row_block == pytest.approx(0.008, rel=0.25)
+    # the token past the tile costs a block; the tokens before it next to nothing
+    at = lambda n: model.predict(StepShape(4, n, 4 * 300))  # noqa: E731
+    assert at(7) - at(6) > 0.006 and at(6) - at(4) < 0.002
+    # and it predicts held-out cells of the staircase better than the convex fit can
+    tiled, _ = heldout_error(shapes, secs)
+    convex, _ = heldout_error(shapes, secs, row_tiles=())
+    assert tiled < 0.7 * convex
+
+
+def test_fit_keeps_no_tile_on_a_smooth_grid():
+    for seed in range(3):
+        shapes, secs = grid(noise=0.02, seed=seed)
+        assert fit_latency_model(shapes, secs).row_tile == 0
 
 
 def random_model(rng: random.Random) -> HingeLatencyModel:
     """A fitted-form model with random knots (unsorted too), slopes, jump and attention term."""
     knots = tuple(rng.sample([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0], rng.randint(1, 8)))
+    tile = rng.choice([0, 6, 8])
     return HingeLatencyModel(rng.uniform(0, 0.05), knots, tuple(rng.uniform(0, 1e-3) for _ in knots),
                              rng.uniform(0, 1e-6), rng.uniform(0, 1e-3), rng.choice([0.0, 0.004]),
-                             rng.choice([0.0, 1e-8]))
+                             rng.choice([0.0, 1e-8]), tile, rng.uniform(0, 0.01) if tile else 0.0)
 
 
 @pytest.mark.parametrize("seed", range(5))

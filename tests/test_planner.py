@@ -301,6 +301,21 @@ def test_first_draft_priced_apart_from_later_drafts():
     assert deep.ks == (8,) and deep.goodput == pytest.approx(brute_force([split], [8], cost))
 
 
+def test_drafts_fill_a_row_tile_and_stop_before_the_next():
+    # vLLM-CPU's step is flat up to 6 query tokens and a block dearer from 7 (profiler/fit.py, row
+    # tiles). B = 3 at alpha 0.4: three drafts fill the tile for nothing ((3 + 1.2) / 0.0408 s,
+    # the 2% floor per draft beside it), a fourth crosses it ((3 + 1.36) / 0.0511 s), and filling
+    # the next tile (9 drafts) earns less than the first three did.
+    tiled = HingeLatencyModel(0.040, (1.0,), (0.0,), 0.0, 0.0, row_tile=6, per_row_block=0.010)
+    three = allocate([est(0.4)] * 3, [8] * 3, cost_for(tiled, 3, context=0))
+    assert three.ks == (1, 1, 1)
+    assert three.goodput == pytest.approx(brute_force([est(0.4)] * 3, [8] * 3, cost_for(tiled, 3, context=0)))
+    # B = 4 at alpha 0.3: two drafts are free ((4 + 0.6) / 0.0405 s); filling the next tile, all
+    # eight drafts of the first two positions, earns less ((4 + 1.56) / 0.0511 s).
+    four = allocate([est(0.3)] * 4, [8] * 4, cost_for(tiled, 4, context=0))
+    assert four.ks == (1, 1, 0, 0)
+
+
 def test_drafts_known_before_deciding_replace_the_learned_lengths():
     # Learned: proposals are rare (P(len >= 1) = 0.2), so a first draft is worth 0.2 * 0.5 = 0.1
     # tokens. Known this step: request 0 has 3 drafts (worth 0.5, 0.35, 0.245), request 1 none.

@@ -28,6 +28,23 @@ def test_arms_carry_the_exported_table_and_an_all_zero_table_runs_as_off():
     assert "vllm:table" not in {a.name for a in vllm_arms([2], [], None)}
 
 
+def test_a_plugin_arm_may_run_under_its_own_vllm_k():
+    arms = {a.name: a for a in vllm_arms([], ["goodput", "static:2@K2"], None)}
+    assert arms["vllm:plugin:goodput"].speculative_config["num_speculative_tokens"] == 8
+    k2 = arms["vllm:plugin:static:2@K2"]
+    assert k2.speculative_config["num_speculative_tokens"] == 2
+    assert k2.env["SPECPLAN_POLICY"] == "static:2"  # the plugin is told the policy, not the arm's name
+    assert k2.env["SPECPLAN_MAX_K"] == "2"  # the planner's cap follows K (the plugin refuses a cap above it)
+    assert "SPECPLAN_MAX_K" not in arms["vllm:plugin:goodput"].env
+
+
+def test_two_profiles_compare_in_one_run():
+    arms = {a.name: a for a in vllm_arms([], ["goodput"], "new.json", other_profile="old.json")}
+    assert arms["vllm:plugin:goodput"].env["SPECPLAN_PROFILE"] == "new.json"
+    assert arms["vllm:plugin:goodput~other"].env["SPECPLAN_PROFILE"] == "old.json"
+    assert arms["vllm:plugin:goodput~other"].env["SPECPLAN_POLICY"] == "goodput"
+
+
 def test_summary_pairs_each_repeat_with_the_cells_best_static():
     rows = summarize(runs_of({OFF: [10, 20], "vllm:static:2": [12, 18], "vllm:static:4": [11, 22],
                               "vllm:plugin:goodput": [13, 21]}))

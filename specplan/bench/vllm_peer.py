@@ -65,10 +65,12 @@ class VllmArm:
 
 
 def vllm_arms(static_ks: list[int], policies: list[str], profile: str | None, proposer: str = "ngram",
-              max_k: int = 8, table: list[list[int]] | None = None, stats_dir: Path | None = None) -> list[VllmArm]:
+              max_k: int = 8, table: list[list[int]] | None = None, stats_dir: Path | None = None,
+              other_profile: str | None = None) -> list[VllmArm]:
     """vLLM off, vLLM's n-gram at each static k, the exported ``table`` ([[start, end, k], ...];
     all k = 0 runs as off) and the plugin under each policy (its counters written into
-    ``stats_dir``, if given: ``PLUGIN_COUNTERS`` per run)."""
+    ``stats_dir``, if given: ``PLUGIN_COUNTERS`` per run); with ``other_profile``, each plugin arm
+    again on that profile (named ``...~other``: two profiles compared in one run, paired)."""
     arms = [VllmArm(OFF)]
     for k in static_ks:
         arms.append(VllmArm(f"vllm:static:{k}", {**NGRAM, "num_speculative_tokens": k}))
@@ -79,14 +81,22 @@ def vllm_arms(static_ks: list[int], policies: list[str], profile: str | None, pr
                             if top_k else None))
     from specplan.integrations.vllm import PluginOptions
 
-    for policy in policies:
-        stats = str(stats_dir / f"plugin-{policy.replace(':', '_')}.json") if stats_dir is not None else None
+    plugin_arms = [(p, profile, "") for p in policies]
+    if other_profile is not None:
+        plugin_arms += [(p, other_profile, "~other") for p in policies]
+    for arm_policy, arm_profile, tag in plugin_arms:
+        # "goodput@K4": the plugin under vLLM's K = 4 instead of ``max_k`` (vLLM sizes its
+        # speculative path by K, so the same policy under another K is another arm).
+        policy, _, k = arm_policy.partition("@K")
+        arm_policy += tag
+        stats = str(stats_dir / f"plugin-{arm_policy.replace(':', '_')}.json") if stats_dir is not None else None
         # Counters written at most once a second (a write costs a few ms; after every call it would
         # slow the arm measured): a run's counters are those of its calls up to a second apart.
-        options = PluginOptions(policy=policy, profile=profile, proposer=proposer, stats_path=stats,
-                                stats_every_s=1.0 if stats else 0.0)
-        arms.append(VllmArm(f"vllm:plugin:{policy}", {"method": "custom_class", "model": PLUGIN,
-                                                      "num_speculative_tokens": max_k}, options.to_env()))
+        options = PluginOptions(policy=policy, profile=arm_profile, proposer=proposer, stats_path=stats,
+                                stats_every_s=1.0 if stats else 0.0, max_k=int(k) if k else None)
+        arms.append(VllmArm(f"vllm:plugin:{arm_policy}", {"method": "custom_class", "model": PLUGIN,
+                                                          "num_speculative_tokens": int(k) if k else max_k},
+                            options.to_env()))
     return arms
 
 
@@ -208,7 +218,7 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
              policies: list[str], profile: str | None, engine_policies: list[str] | None,
              engine_profile: str | None, max_tokens: int, repeats: int, min_requests: int, seed: int = 0,
              table: list[list[int]] | None = None, enforce_eager: bool = False, progress: bool = True,
-             engine_quantize: str = "none", stats_dir: Path | None = None,
+             engine_quantize: str = "none", stats_dir: Path | None = None, other_profile: str | None = None,
              on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Every arm on every cell, ``repeats`` times interleaved; one dict per (cell, arm, repeat).
     ``on_cell(runs so far)`` is called after each repeat of each cell; ``stats_dir``: where the
@@ -227,7 +237,8 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     set_vllm_env_defaults()
     arms: list = [LoadedArm(a, model_dir, max(batch_sizes), longest + max_tokens + 64, seed, enforce_eager)
-                  for a in vllm_arms(static_ks, policies, profile, table=table, stats_dir=stats_dir)]
+                  for a in vllm_arms(static_ks, policies, profile, table=table, stats_dir=stats_dir,
+                                    other_profile=other_profile)]
     arms.append(NullControl(arms[0]))
     if engine_policies is not None:
         arms += engine_arms(model, engine_policies, max(batch_sizes), engine_profile, engine_quantize)
@@ -408,10 +419,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--batch-sizes", default="1,4,16,32")
     ap.add_argument("--static-ks", default="2,4", help="vLLM's own n-gram speculation at these k")
-    ap.add_argument("--policies", default="goodput", help="the plugin's policies (goodput needs --profile)")
+    ap.add_argument("--policies", default="goodput", help="the plugin's policies (goodput needs --profile); policy@K4: under vLLM's K = 4 (default 8)")
     ap.add_argument("--table", type=Path, default=None,
                     help="a `specplan export --format vllm` JSON: adds the arm vllm:table (vLLM's n-gram with that table)")
     ap.add_argument("--profile", default=None, help="a vLLM profile of the model (specplan profile --engine vllm)")
+    ap.add_argument("--other-profile", default=None,
+                    help="also run every plugin policy on this profile (arms named ...~other), paired with --profile's")
     ap.add_argument("--engine-policies", default="goodput",
                     help="specplan's engine arms beside engine:off ('none': no engine arms at all)")
     ap.add_argument("--engine-profile", default=None, help="the engine's profile (default: cached or a fresh one)")
@@ -452,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
                     profile=args.profile, engine_policies=engine_policies, engine_profile=args.engine_profile,
                     max_tokens=args.max_tokens, repeats=args.repeats, min_requests=args.min_requests,
                     table=table, enforce_eager=args.enforce_eager, progress=sys.stderr.isatty(),
-                    engine_quantize=args.engine_quantize, stats_dir=stats_dir,
+                    engine_quantize=args.engine_quantize, stats_dir=stats_dir, other_profile=args.other_profile,
                     on_cell=lambda so_far: render(so_far, args.out, run_meta(command, vllm.__version__, complete=False)))
     path = render(runs, args.out, run_meta(command, vllm.__version__))
     print(f"wrote {path} and {path.with_suffix('.json')}")
