@@ -25,6 +25,9 @@ reports/vllm-peer-zen4), which no convex curve can follow: it priced the 7th tok
 its cost and the 4th at several times it, so the planner drafted past the tile where drafts did not
 pay and left free drafts below it. The term ``r * (ceil(N / R) - 1)`` is added for the R among
 ``ROW_TILES`` that fits best, kept only where it cuts the fit's error by ``MIN_TILE_GAIN``.
+Known limit: the term repeats every R tokens, and vLLM's step at 16-24 tokens rose ~4% a token
+with no stairs (same VM), so it prices a few drafts past a large batch's last full block too low;
+a single edge at R fits that grid as well (reports/vllm-peer-zen4).
 """
 
 from __future__ import annotations
@@ -165,11 +168,9 @@ def fit_latency_model(shapes: list[StepShape], seconds: list[float], knots: tupl
     weight = 1.0 / y  # relative error
 
     def solve(tile: int) -> tuple[np.ndarray, float]:
-        x = _features(shapes, knots, tile)
-        if not tile:
-            x = x[:, :-1]  # no tile column: nnls would carry a zero column
+        x = _features(shapes, knots, tile)  # without a tile its last column is all 0, its coefficient 0
         coef, residual = nnls(x * weight[:, None], y * weight)
-        return (coef if tile else np.append(coef, 0.0)), residual ** 2
+        return coef, residual ** 2
 
     coef, error = solve(0)
     tile, to_beat = 0, (1.0 - MIN_TILE_GAIN) * error

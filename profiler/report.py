@@ -15,15 +15,16 @@ from .machine import describe, machine_info
 from .profile import Profile
 
 
-def _row_tile_lines(profile) -> list[str]:
+def _row_tile_lines(profile: Profile) -> list[str]:
     """The staircase the fit found, if any (profiler/fit.py ``ROW_TILES``): what it means for drafts."""
     model = profile.model()
-    tile = getattr(model, "row_tile", 0)
-    if not tile:
+    if not model.row_tile:
         return []
-    return ["", f"Row tile: the step is a staircase in query tokens, **{1e3 * model.per_row_block:.1f} ms more for "
-                f"every {tile} tokens past the first {tile}** (the GEMM computes {tile} rows at a time): drafts "
-                f"that fill a batch's last block are nearly free, the one that starts a new block is not."]
+    tile = model.row_tile
+    return ["", f"Row tile: the fit prices the step as a staircase in query tokens, **{1e3 * model.per_row_block:.1f} ms "
+                f"more for every {tile} tokens past the first {tile}** (as a GEMM that computes {tile} rows at a time "
+                f"would): drafts that fill a batch's last block are priced nearly free, the one that starts a new "
+                f"block is not."]
 
 
 def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int, weight_itemsize: float) -> int | None:
