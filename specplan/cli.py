@@ -311,11 +311,28 @@ def profile_cmd(
     quantize: Quantize = "none",
     reset_beliefs: Annotated[bool, typer.Option("--reset-beliefs", help="Forget what the planner learned for this model and machine (its saved beliefs) and exit; measures nothing.")] = False,
     engine: Annotated[str, typer.Option(help="specplan (the built-in engine) or vllm (vLLM's own steps, forced through specplan's timing drafter; run from vLLM's environment).")] = "specplan",
+    refit: Annotated[Optional[Path], typer.Option(help="Fit the latency model of this profile again from the grid it measured (this version's fit), write it to --out (default: in place) and exit; times nothing.")] = None,
 ) -> None:
     """Measure this machine and model: roofline ceilings, step-time grid, drafting costs, latency fit."""
     import shlex
     import sys
 
+    if refit is not None:
+        from specplan.profiler.profile import refit_profile
+
+        check.output_file(out, "--out", "profile.json")
+        profile = refit_profile(refit)
+        path = out or refit
+        if profile.grid_file and path.resolve().parent != refit.resolve().parent:
+            import shutil
+
+            shutil.copyfile(refit.parent / profile.grid_file, path.parent / profile.grid_file)
+        profile.save(path)
+        model = profile.model()
+        tile = (f"; row tile {model.row_tile} ({'single edge' if model.row_block_limit == 1 else 'staircase'}, "
+                f"{1e3 * model.per_row_block:.1f} ms)" if model.row_tile else "; no row tile")
+        typer.echo(f"profile: {path}\nlatency model error on held-out cells: {profile.fit.heldout_mape:.1f}%{tile}")
+        return
     check.choice(engine, ENGINES, "--engine")
     check.model_path(model)
     if reset_beliefs:
