@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -73,6 +74,11 @@ def test_model_round_trips_through_dict():
     assert again == model
     tiled = fit_latency_model(*staircase_grid())
     assert tiled.row_tile and HingeLatencyModel.from_dict(tiled.to_dict()) == tiled
+    edge = dataclasses.replace(tiled, row_block_limit=1)
+    assert HingeLatencyModel.from_dict(edge.to_dict()) == edge
+    # A profile saved before the single edge existed reads as the staircase it was fitted as.
+    old = {k: v for k, v in tiled.to_dict().items() if k != "row_block_limit"}
+    assert HingeLatencyModel.from_dict(old) == tiled
 
 
 def staircase(shape: StepShape) -> float:
@@ -96,7 +102,7 @@ def staircase_grid(noise: float = 0.0, seed: int = 0):
 def test_fit_finds_the_row_tile_of_a_staircase_and_prices_the_step_past_it():
     shapes, secs = staircase_grid(noise=0.01)
     model = fit_latency_model(shapes, secs)
-    assert model.row_tile == 6
+    assert (model.row_tile, model.row_block_limit) == (6, 0)  # a staircase: the edge alone cannot follow it
     assert model.per_row_block == pytest.approx(0.008, rel=0.25)
     # the token past the tile costs a block; the tokens before it next to nothing
     at = lambda n: model.predict(StepShape(4, n, 4 * 300))  # noqa: E731
@@ -105,6 +111,33 @@ def test_fit_finds_the_row_tile_of_a_staircase_and_prices_the_step_past_it():
     tiled, _ = heldout_error(shapes, secs)
     convex, _ = heldout_error(shapes, secs, row_tiles=())
     assert tiled < 0.7 * convex
+
+
+def single_edge(shape: StepShape) -> float:
+    # Dearer once past 6 tokens, then a steady slope and no further stairs (vLLM-CPU on Zen 4:
+    # B = 4 flat to 6 tokens then +7 ms; B = 16 ~4% a token from 16 tokens on).
+    n = shape.num_tokens
+    return 0.040 + 0.007 * (n > 6) + 1e-3 * max(0, n - 8) + 2e-7 * shape.context_tokens
+
+
+def test_fit_prices_a_single_edge_as_one_and_the_tokens_past_it_by_the_slope():
+    rng = random.Random(1)
+    shapes, secs = [], []
+    for b in (1, 2, 4, 8, 16, 32):
+        for t in (1, 2, 3, 5, 9):
+            s = StepShape(b, b * t, b * (256 + t))
+            shapes.append(s)
+            secs.append(single_edge(s) * (1 + rng.gauss(0, 0.01)))
+    model = fit_latency_model(shapes, secs)
+    assert (model.row_tile, model.row_block_limit) == (6, 1)
+    assert model.per_row_block == pytest.approx(0.007, rel=0.3)
+    # B = 4: the drafts up to 6 tokens are nearly free, the 7th token costs the edge
+    at4 = lambda n: model.predict(StepShape(4, n, 4 * 256))  # noqa: E731
+    assert at4(6) - at4(4) < 0.002 and at4(7) - at4(6) > 0.005
+    # B = 16: the 17th-20th tokens cost the slope, with no further edge
+    at = lambda n: model.predict(StepShape(16, n, 16 * 256))  # noqa: E731
+    assert (at(20) - at(16)) / 4 == pytest.approx(1e-3, rel=0.3)
+    assert at(19) - at(18) == pytest.approx(at(18) - at(17), rel=1e-6)
 
 
 def test_fit_keeps_no_tile_on_a_smooth_grid():
@@ -119,7 +152,8 @@ def random_model(rng: random.Random) -> HingeLatencyModel:
     tile = rng.choice([0, 6, 8])
     return HingeLatencyModel(rng.uniform(0, 0.05), knots, tuple(rng.uniform(0, 1e-3) for _ in knots),
                              rng.uniform(0, 1e-6), rng.uniform(0, 1e-3), rng.choice([0.0, 0.004]),
-                             rng.choice([0.0, 1e-8]), tile, rng.uniform(0, 0.01) if tile else 0.0)
+                             rng.choice([0.0, 1e-8]), tile, rng.uniform(0, 0.01) if tile else 0.0,
+                             rng.choice([0, 1, 2]) if tile else 0)
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -223,3 +223,32 @@ def test_a_grid_measured_on_another_engine_builds_without_our_weights(tiny_profi
     assert "Ceilings" in report.read_text()
     with pytest.raises(KeyError):  # what the vLLM profile hit before it passed the weights' size
         build_profile(described, ceilings, grid, None, {}, torch.float32, "cpu")
+
+
+def test_refit_fits_the_saved_grid_again_and_names_a_missing_grid(tiny_profile, tmp_path):
+    """``specplan profile --refit P``: a profile made before a change to the fit gets this
+    version's fit from the grid it measured, without timing anything; no grid: one line."""
+    from typer.testing import CliRunner
+
+    from specplan.cli import app
+    from specplan.profiler.fit import fit_latency_model
+    from specplan.profiler.profile import refit_profile
+
+    _, grid, profile = tiny_profile
+    path = tmp_path / "p.json"
+    grid.to_parquet(tmp_path / "p.grid.parquet")
+    stale = profile.model_copy(update={"grid_file": "p.grid.parquet",
+                                       "latency_model": {**profile.latency_model, "intercept": 1.0}})
+    stale.save(path)
+    again = refit_profile(path)
+    shapes = [StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)) for r in grid.itertuples()]
+    assert again.latency_model == fit_latency_model(shapes, grid["seconds"].tolist()).to_dict()
+    assert again.fingerprint == profile.fingerprint and again.fit.heldout_mape == pytest.approx(profile.fit.heldout_mape)
+    out = tmp_path / "elsewhere" / "q.json"
+    result = CliRunner().invoke(app, ["profile", "--refit", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert Profile.load(out).latency_model == again.latency_model and (out.parent / "p.grid.parquet").exists()
+    (tmp_path / "p.grid.parquet").unlink()
+    with pytest.raises(ProfileError, match="no measured grid") as e:
+        refit_profile(path)
+    assert "\n" not in str(e.value)

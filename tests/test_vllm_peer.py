@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from specplan.bench.vllm_peer import (NULL_CONTROL, OFF, NullControl, main, plugin_counters, plugin_run_summary, render,
-                                      run_meta, summarize, vllm_arms)
+from specplan.bench.vllm_peer import (NULL_CONTROL, OFF, NullControl, available_memory_bytes, check_arms_fit, main,
+                                      plugin_counters, plugin_run_summary, render, run_meta, summarize, vllm_arms)
 
 
 def runs_of(cell: dict[str, list[float]], workload="w", batch=4, same=True) -> list[dict]:
@@ -131,3 +131,15 @@ def test_engine_arms_load_the_weights_asked_for_and_say_so(monkeypatch):
     assert [a.name for a in quantized] == ["engine:q4:off"] and asked == ["none", "q4"]
     r = quantized[0].run([[1, 2, 3, 1, 2, 3]], 1, 4)
     assert r["output_tokens"] == 4 and len(r["outputs"][0]) == 4
+
+
+def test_a_run_whose_arms_do_not_fit_in_memory_stops_before_measuring():
+    gb = 10**9
+    check_arms_fit(20 * gb, 16.5 * gb, arms_left=3)  # 3.5 GB each: 6 GB left after them
+    with pytest.raises(SystemExit, match="do not fit in memory: each takes ~3.5 GB") as e:
+        check_arms_fit(20 * gb, 16.5 * gb, arms_left=4, headroom=3 * gb)  # 2.5 GB left: under the headroom
+    assert "\n" not in str(e.value) and "--static-ks" in str(e.value)
+    check_arms_fit(None, 1, arms_left=9)  # no /proc/meminfo: nothing to check
+    check_arms_fit(20 * gb, 1 * gb, arms_left=0)  # the last arm: nothing more to load
+    available = available_memory_bytes()
+    assert available is None or available > 0

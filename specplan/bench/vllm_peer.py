@@ -28,7 +28,9 @@ Memory: every vLLM arm stays loaded, each about 1.8 GB (fp32 SmolLM2-135M, compi
 ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache. Five arms at 2 GiB each filled a 24 GiB machine (no
 page cache left; vLLM off read 8 tok/s instead of 10 at B = 1), so size the KV cache to the cell:
 1 GiB holds B = 32 of these prompts. vLLM-CPU's start-up (torch.compile) is about 2.5 minutes per
-arm on 2 cores.
+arm on 2 cores. The arms are checked as they load (``check_arms_fit``): seven arms at 1 GiB of KV
+cache (~3.5 GB each) overfilled the 24 GiB Zen 4 VM, and the last one loaded read 0.88-0.95x vLLM
+off in cells where it drafted nothing; a run whose arms do not fit stops before it measures.
 """
 
 from __future__ import annotations
@@ -53,6 +55,35 @@ PLUGIN = "specplan.integrations.vllm.SpecplanProposer"
 OFF = "vllm:off"
 NULL_CONTROL = "control:vllm:off"  # vLLM off run a second time in each repeat: what the cell's noise reads
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}  # vLLM's own n-gram drafter
+# Memory kept free beside the loaded arms: the page cache the model file and the workload's data
+# need, and what the arms' first runs add to their footprint.
+MEMORY_HEADROOM_BYTES = 2 << 30
+
+
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (None where it gives none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_arms_fit(before: int | None, after: int | None, arms_left: int,
+                   headroom: int = MEMORY_HEADROOM_BYTES) -> None:
+    """Raise SystemExit (one line) if the arms still to load, each as large as the one just loaded
+    (available memory ``before`` - ``after`` it), would leave less than ``headroom`` free."""
+    if before is None or after is None or arms_left <= 0:
+        return
+    per_arm = max(0, before - after)
+    if after - per_arm * arms_left < headroom:
+        gb = 1e9
+        raise SystemExit(f"the vLLM arms do not fit in memory: each takes ~{per_arm / gb:.1f} GB and {after / gb:.1f} GB "
+                         f"is left for {arms_left} more and {headroom / gb:.1f} GB of page cache (an arm loaded into a "
+                         f"full machine runs slower than the rest); drop arms (--static-ks, --policies, --table, "
+                         f"--other-profile) or lower VLLM_CPU_KVCACHE_SPACE")
 
 
 @dataclass(frozen=True)
@@ -236,9 +267,12 @@ def run_peer(*, model: str | None, workloads: list[str], batch_sizes: list[int],
     longest = max(len(p) for pool in pools.values() for p in pool)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     set_vllm_env_defaults()
-    arms: list = [LoadedArm(a, model_dir, max(batch_sizes), longest + max_tokens + 64, seed, enforce_eager)
-                  for a in vllm_arms(static_ks, policies, profile, table=table, stats_dir=stats_dir,
-                                    other_profile=other_profile)]
+    specs = vllm_arms(static_ks, policies, profile, table=table, stats_dir=stats_dir, other_profile=other_profile)
+    arms: list = []
+    for i, spec in enumerate(specs):
+        before = available_memory_bytes()
+        arms.append(LoadedArm(spec, model_dir, max(batch_sizes), longest + max_tokens + 64, seed, enforce_eager))
+        check_arms_fit(before, available_memory_bytes(), len(specs) - i - 1)
     arms.append(NullControl(arms[0]))
     if engine_policies is not None:
         arms += engine_arms(model, engine_policies, max(batch_sizes), engine_profile, engine_quantize)
