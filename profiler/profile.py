@@ -134,7 +134,7 @@ def refit_profile(path: Path | str) -> Profile:
     ceilings, costs and fingerprint are kept. ProfileError (one line) if the grid is missing."""
     import pandas as pd
 
-    from .fit import fit_latency_model, heldout_error, mape
+    from .fit import fit_grid
 
     path = Path(path)
     profile = Profile.load(path)
@@ -142,14 +142,10 @@ def refit_profile(path: Path | str) -> Profile:
     if grid_path is None or not grid_path.exists():
         raise ProfileError(f"profile {path} has no measured grid beside it ({grid_path or 'none recorded'}); "
                            f"measure it again with `specplan profile`")
-    grid = pd.read_parquet(grid_path)
-    shapes = [StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)) for r in grid.itertuples()]
-    seconds = grid["seconds"].tolist()
-    model = fit_latency_model(shapes, seconds)
-    held, held_cells = heldout_error(shapes, seconds)
-    fit = profile.fit.model_copy(update={"heldout_mape": held, "num_heldout": len(held_cells), "num_cells": len(shapes),
-                                         "train_mape": mape([model.predict(s) for s in shapes], seconds)})
-    return profile.model_copy(update={"latency_model": model.to_dict(), "fit": fit})
+    fitted = fit_grid(pd.read_parquet(grid_path))
+    fit = profile.fit.model_copy(update={"heldout_mape": fitted.heldout_mape, "num_heldout": fitted.num_heldout,
+                                         "train_mape": fitted.train_mape})
+    return profile.model_copy(update={"latency_model": fitted.model.to_dict(), "fit": fit})
 
 
 def model_config_hash(model_config) -> str:

@@ -26,8 +26,7 @@ from specplan.engine.proposers.factory import HEAD_PROPOSERS
 from .ceilings import Ceilings, measure_ceilings
 from .cost_model import decode_step_cost, layer_costs, step_costs, weight_bytes
 from .step_timer import timing_engine
-from .fit import fit_latency_model, heldout_error, mape
-from .latency_model import StepShape
+from .fit import fit_grid, mape
 from .profile import CeilingsModel, CostConstants, DraftCost, Fingerprint, FitError, Profile, fingerprint
 from .step_timer import StepTimer
 
@@ -216,10 +215,8 @@ def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, d
     is not specplan's engine here; ``weight_itemsize``: bytes a step streams per weight, when the
     weights are another engine's (default: what ``loaded`` holds)."""
     cfg = loaded.config
-    shapes = [StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)) for r in grid.itertuples()]
+    fitted = fit_grid(grid)
     secs = grid["seconds"].tolist()
-    model = fit_latency_model(shapes, secs)
-    held_err, held = heldout_error(shapes, secs)
     w_item = weight_itemsize if weight_itemsize is not None else loaded.bytes_per_weight()  # 4 for float32 weights; 0.625 for Q4_1 blocks
     roofline = [decode_step_cost(cfg, int(r.batch_size), int(r.tokens_per_seq), int(r.context), weight_itemsize=w_item)
                 .roofline_seconds(ceilings.peak_flops, ceilings.bandwidth) for r in grid.itertuples()]
@@ -238,9 +235,9 @@ def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, d
             lm_head_flops_per_row=2.0 * cfg.hidden_size * cfg.vocab_size,
             kv_bytes_per_token=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
             attention_flops_per_token_pair=4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers),
-        latency_model=model.to_dict(),
-        fit=FitError(heldout_mape=held_err, train_mape=mape([model.predict(s) for s in shapes], secs),
-                     roofline_mape=mape(roofline, secs), num_cells=len(shapes), num_heldout=len(held)),
+        latency_model=fitted.model.to_dict(),
+        fit=FitError(heldout_mape=fitted.heldout_mape, train_mape=fitted.train_mape,
+                     roofline_mape=mape(roofline, secs), num_cells=len(secs), num_heldout=fitted.num_heldout),
         draft_costs=costs,
         max_batch=int(grid["batch_size"].max()), max_tokens_per_seq=int(grid["tokens_per_seq"].max()),
     )

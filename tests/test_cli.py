@@ -72,6 +72,8 @@ ROWS = [
     ("profile --report-dir {d}/notes.txt", "--report-dir {d}/notes.txt is a file; give a folder"),
     ("profile --draft-layers 0", "--draft-layers must be at least 1"),
     ("profile --model {d}/missing", "--model {d}/missing does not exist"),
+    ("profile --refit {d}/missing.json", "profile {d}/missing.json does not exist"),
+    ("profile --refit {d}/corrupt.json", "is corrupted or truncated"),
     # sweep
     ("sweep", "give exactly one of --rates and --concurrency"),
     ("sweep --rates 1 --concurrency 2", "give exactly one of --rates and --concurrency"),
