@@ -29,6 +29,18 @@ def load_average() -> list[float] | None:
         return None
 
 
+def meminfo_bytes(field: str) -> int | None:
+    """A field of the kernel's /proc/meminfo in bytes (MemTotal, MemAvailable, ...); None where
+    there is none."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def machine_info(libraries: Sequence[str] = ()) -> dict:
     """CPU model, cores, torch version and threads, Python, platform, memory in GiB, and the
     version of each of ``libraries`` (None when it is not installed)."""
@@ -37,11 +49,9 @@ def machine_info(libraries: Sequence[str] = ()) -> dict:
     info = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "platform": platform.platform()}
-    try:
-        mem = Path("/proc/meminfo").read_text().split()
-        info["memory_gib"] = round(int(mem[1]) / 1024**2, 1)
-    except (OSError, IndexError, ValueError):
-        pass
+    total = meminfo_bytes("MemTotal")
+    if total is not None:
+        info["memory_gib"] = round(total / 1024**3, 1)
     for name in libraries:
         try:
             info[name] = __import__(name).__version__
@@ -55,4 +65,4 @@ def describe(info: dict) -> str:
     return "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items() if v is not None) + "."
 
 
-__all__ = ["cpu_name", "load_average", "machine_info", "describe"]
+__all__ = ["cpu_name", "load_average", "machine_info", "meminfo_bytes", "describe"]
