@@ -1,6 +1,7 @@
 """The machine's roofline ceilings, measured on the device the engine runs on.
 
-Peak matmul FLOP/s (for the model's dtype) and memory bandwidth, each the median of repeats;
+Peak matmul FLOP/s (for the model's dtype, and for quantized weights the engine's kernels for
+their block formats) and memory bandwidth, each the median of repeats;
 their ratio is the ridge point, the arithmetic intensity (FLOP per byte) where a step stops
 being limited by memory and starts being limited by compute.
 """
@@ -10,13 +11,14 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 
 @dataclass(frozen=True)
 class Ceilings:
-    peak_flops: float  # FLOP/s, dense matmul in the model's dtype
+    peak_flops: float  # FLOP/s, dense matmul in the model's dtype (or its weights' block formats)
     bandwidth: float  # bytes/s, streaming read of a buffer far larger than the caches
     device: str
     dtype: str
@@ -47,23 +49,39 @@ def _median_seconds(fn, repeats: int, device: torch.device, warmup: bool = True)
 
 
 def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                       n: int = 1536, repeats: int = 7, engine_kernels: bool = True) -> float:
-    """Matmul FLOP/s: the faster of torch's square n x n product and the engine's own projection
-    kernel at 256 rows (on CPU it beats MKL, so torch alone would put the ceiling below what
-    the engine reaches), each the median of repeats. ``engine_kernels=False``: torch's alone
-    (another engine's ceilings; the engine's kernels are then neither built nor loaded)."""
-    from specplan.engine.model.linear import make_linear, packed_available
-
+                       n: int = 1536, repeats: int = 7, engine_kernels: bool = True,
+                       weight_formats: tuple[str, ...] = ()) -> float:
+    """Matmul FLOP/s: the fastest of torch's square n x n product and the engine's own projection
+    kernels at 256 rows, each the median of repeats (``peak_candidates``). On CPU the engine's
+    fp32 kernel beats MKL, and its kernels for quantized blocks (``weight_formats``: the model's
+    Q8_0 / Q4_0 / Q4_1, engine/model/quant.py) beat both where the CPU multiplies int8 (VNNI):
+    a ceiling below what the engine reaches would put the floor above steps it runs (a Q4_1
+    profile on the Zen 4 VM timed B = 4 steps of 6 tokens at 0.57x an fp32-only floor).
+    ``engine_kernels=False``: torch's alone (another engine's ceilings; the engine's kernels are
+    then neither built nor loaded)."""
     device = torch.device(device)
+    return max(flops / _median_seconds(fn, repeats, device)
+               for _, flops, fn in peak_candidates(device, dtype, n, engine_kernels, weight_formats))
+
+
+def peak_candidates(device: torch.device, dtype: torch.dtype, n: int = 1536, engine_kernels: bool = True,
+                    weight_formats: tuple[str, ...] = ()) -> list[tuple[str, float, Callable[[], object]]]:
+    """[(label, FLOPs of one call, the call)]: the products the peak is the fastest of."""
+    from specplan.engine.model.linear import make_linear, packed_available
+    from specplan.engine.model.quant import QuantWeight
+
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    best = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), repeats, device)
-    if engine_kernels and packed_available(device, dtype):
-        rows, k = 256, 1024
-        linear = make_linear(torch.randn(n, k, device=device, dtype=dtype), packed=True)
-        x = torch.randn(rows, k, device=device, dtype=dtype)
-        best = max(best, 2 * rows * n * k / _median_seconds(lambda: linear(x), repeats, device))
-    return best
+    candidates = [("torch mm", 2.0 * n**3, lambda: torch.mm(a, b))]
+    if not (engine_kernels and packed_available(device, dtype)):
+        return candidates
+    rows, k = 256, 1024
+    x = torch.randn(rows, k, device=device, dtype=dtype)  # [rows, k]
+    weight = torch.randn(n, k, device=device, dtype=dtype)  # [n, k]
+    for fmt in ("float32", *sorted(set(weight_formats))):
+        linear = make_linear(weight if fmt == "float32" else QuantWeight.quantize(weight, fmt), packed=True)
+        candidates.append((f"engine {fmt}", 2.0 * rows * n * k, lambda linear=linear: linear(x)))
+    return candidates
 
 
 class BandwidthProbe:
@@ -110,13 +128,17 @@ def measure_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, 
 
 
 def measure_ceilings(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                     repeats: int = 7, probe: BandwidthProbe | None = None, engine_kernels: bool = True) -> Ceilings:
+                     repeats: int = 7, probe: BandwidthProbe | None = None, engine_kernels: bool = True,
+                     weight_formats: tuple[str, ...] = ()) -> Ceilings:
     """The ceilings of this device; ``engine_kernels=False``: as torch alone reaches them (another
-    engine's profile: vLLM runs its own kernels, and building the engine's would cost a compile)."""
+    engine's profile: vLLM runs its own kernels, and building the engine's would cost a compile);
+    ``weight_formats``: the quantized block formats the model's weights are in (LoadedModel
+    ``weight_formats``), whose kernels count toward the peak."""
     device = torch.device(device)
     probe = probe or BandwidthProbe(device, engine_kernels=engine_kernels)
     return Ceilings(
-        peak_flops=measure_peak_flops(device, dtype, repeats=repeats, engine_kernels=engine_kernels),
+        peak_flops=measure_peak_flops(device, dtype, repeats=repeats, engine_kernels=engine_kernels,
+                                      weight_formats=weight_formats),
         bandwidth=measure_bandwidth(device, repeats=repeats, probe=probe),
         device=str(device), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
     )

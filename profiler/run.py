@@ -249,7 +249,7 @@ def run_profile(model: str | None = None, quick: bool = True, out: Path | None =
     """Measure, fit and write; returns (profile, profile path, report path)."""
     t0 = time.perf_counter()
     loaded = loaded or load_model(model)
-    ceilings = measure_ceilings()
+    ceilings = measure_ceilings(weight_formats=loaded.weight_formats())
     spec = GridSpec.quick() if quick else GridSpec.full()
     grid, drafts = measure_grid(loaded, spec, layer_skip_layers, progress)
     profile = build_profile(loaded, ceilings, grid, drafts, _measure_cheap_proposers(), torch.float32, "cpu")

@@ -75,7 +75,7 @@ def main(shapes: list[tuple[int, int]], quantize: str = "none") -> None:
     attention_op = load_kernel()
     if attention_op is None:
         raise SystemExit("the CPU kernels could not be built here")
-    peak = measure_peak_flops()
+    peak = measure_peak_flops(weight_formats=loaded.weight_formats())
     probe = BandwidthProbe()
     print(f"weights: {quantize} ({loaded.bytes_per_weight():.4f} bytes per weight); peak matmul {peak / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads; medians of {ROUNDS} rounds (ms)")
     print("   B  T  GB/s   step  products  attn cold  attn hot  rest | compute floor  weights floor  KV floor  roofline floor  step/floor")

@@ -10,6 +10,9 @@ Variants (``--variants``, comma-separated):
   no-explore the goodput policy with ``explore_budget=0``: no probe where its choice is off
              (policies/goodput.py)
   pause-b4   ``PauseConfig(min_decodes=4)``: steps of 4 decodes or more may pause (planner/pause.py)
+  fp32-ceiling  the profile's peak FLOP/s replaced by the engine's fp32 kernels' (measured at the
+             start): a quantized engine's ridge as profiles measured it before its int8 kernels
+             counted (profiler/ceilings.py); the ridge scales the policy's exploration
   again      the shipped planner a second time: the null control of the comparison
 
     python scripts/planner_config_ab.py --quantize gguf --profile reports/profile-xeon-q4_1/profile.json \\
@@ -41,17 +44,29 @@ VARIANTS = {
     "no-settle": {"draft_slope": DraftSlopeConfig(settle_steps=0)},
     "no-explore": {"policy": lambda: GoodputPolicy(explore_budget=0.0)},
     "pause-b4": {"pause": PauseConfig(min_decodes=4)},
+    "fp32-ceiling": {"profile": "fp32-ceiling"},
     "again": {},
 }
 SHIPPED = "goodput"
 
 
-def decider_for(arm: str, profile: Profile, proposer: str):
+def decider_for(arm: str, profiles: dict[str, Profile], proposer: str):
+    """``profiles``: "shipped", and the profiles variants name by key."""
     if arm.startswith("static:"):
         return FixedDecider(int(arm.split(":")[1]))
     options = dict(VARIANTS.get(arm, {}))
     policy = options.pop("policy", lambda: make_policy("goodput"))()
+    profile = profiles[options.pop("profile", "shipped")]
     return planner_from_profile(profile, policy, proposer=proposer, max_k=8, **options)
+
+
+def with_fp32_ceiling(profile: Profile) -> Profile:
+    """The profile with the fp32 kernels' peak FLOP/s (measured now) in place of its own."""
+    from specplan.profiler.ceilings import measure_peak_flops
+
+    peak = measure_peak_flops()
+    ceilings = profile.ceilings.model_copy(update={"peak_flops": peak, "ridge": peak / profile.ceilings.bandwidth})
+    return profile.model_copy(update={"ceilings": ceilings})
 
 
 def geo(xs) -> float:
@@ -71,6 +86,10 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variant(s) {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     profile = Profile.load(args.profile)
+    profiles = {"shipped": profile}
+    if "fp32-ceiling" in variants:
+        profiles["fp32-ceiling"] = with_fp32_ceiling(profile)
+        print(f"ridge {profile.ceilings.ridge:.1f} FLOP/byte; with the fp32 ceiling {profiles['fp32-ceiling'].ceilings.ridge:.1f}")
     loaded = load_model(None, quantize=args.quantize)
     engine = _engine(loaded, args.proposer, args.batch, 8)
     statics = ["static:0"] + [f"static:{k}" for k in args.static_ks.split(",") if k]
@@ -80,7 +99,7 @@ def main() -> None:
         prompts = cell_prompts(loaded.tokenizer, workload, args.batch, min_requests=args.requests)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
         runs = rotated_rounds(arms, args.rounds, lambda arm: run_cell(
-            engine, prompts, decider_for(arm, profile, args.proposer), MAX_TOKENS, concurrency=args.batch))
+            engine, prompts, decider_for(arm, profiles, args.proposer), MAX_TOKENS, concurrency=args.batch))
         off = runs["static:0"]
         same = all(x["outputs"] == off[0]["outputs"] for arm in arms for x in runs[arm])
 

@@ -52,6 +52,28 @@ def test_quantized_model_runs_the_quantized_kernels(model, scheme):
     assert m.lm_head.fmt == "q8_0" and m.layers[0].qkv.fmt == ("q8_0" if scheme == "int8" else "q4_1")
 
 
+@pytest.mark.parametrize("scheme", ["none", "int8", "q4"])
+def test_the_compute_ceiling_times_the_kernels_of_the_models_weight_formats(model, scheme):
+    """A quantized model's peak is measured with the engine's kernels for its block formats too:
+    with int8 dot products they run 2-3x the fp32 kernel's FLOP/s, and a ceiling of fp32 alone
+    put the roofline floor above steps the Q4_1 engine runs (the profile's ridge too low)."""
+    from specplan.profiler.ceilings import peak_candidates
+
+    loaded = loaded_from_hf(model) if scheme == "none" else quantize_model(loaded_from_hf(model), scheme)
+    formats = loaded.weight_formats()
+    assert formats == {"none": (), "int8": ("q8_0",), "q4": ("q4_1", "q8_0")}[scheme]
+    candidates = peak_candidates(torch.device("cpu"), torch.float32, n=64, weight_formats=formats)
+    labels = [label for label, _, _ in candidates]
+    assert labels == ["torch mm", "engine float32", *(f"engine {fmt}" for fmt in formats)]
+    product = {label: fn for label, _, fn in candidates}
+    exact = product["engine float32"]()  # [256, 64]
+    for fmt in formats:  # the same product, through that format's kernel: its rounding, not another product
+        y = product[f"engine {fmt}"]()
+        error = ((y - exact).norm() / exact.norm()).item()
+        assert 0 < error < {"q8_0": 0.02, "q4_1": 0.2}[fmt]
+        assert {label: flops for label, flops, _ in candidates}[f"engine {fmt}"] == 2.0 * 256 * 64 * 1024
+
+
 @pytest.mark.parametrize("scheme", ["int8", "q4"])
 @pytest.mark.parametrize("proposer,k", [("ngram", 4), ("layer-skip", 3)])
 def test_greedy_speculation_is_lossless_on_the_quantized_target(model, scheme, proposer, k):

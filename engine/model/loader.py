@@ -66,6 +66,11 @@ class LoadedModel:
     path: Path  # the Hugging Face-format directory actually loaded (for a GGUF: its cache dir)
     name: str
 
+    def weight_formats(self) -> tuple[str, ...]:
+        """The quantized block formats its weights are in ("q4_1", "q8_0", ...; none for float
+        weights), sorted: the profiler times the engine's kernel for each as a compute ceiling."""
+        return tuple(sorted({w.fmt for w in self.weights.values() if isinstance(w, QuantWeight)}))
+
     def bytes_per_weight(self) -> float:
         """Bytes a step streams per weight of its matrix products and LM head: the float dtype's
         size, or for quantized blocks their bytes (scales and mins included) over their weights
