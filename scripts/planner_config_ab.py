@@ -13,6 +13,9 @@ Variants (``--variants``, comma-separated):
   fp32-ceiling  the profile's peak FLOP/s replaced by the engine's fp32 kernels' (measured at the
              start): a quantized engine's ridge as profiles measured it before its int8 kernels
              counted (profiler/ceilings.py); the ridge scales the policy's exploration
+  warm       the shipped planner started from beliefs (planner/beliefs.py) a planner saved after one
+             cell of other prompts of the same workload at the same batch size: what a process
+             that `serve` or `generate` ran before starts from, against the cold planner
   again      the shipped planner a second time: the null control of the comparison
 
     python scripts/planner_config_ab.py --quantize gguf --profile reports/profile-xeon-q4_1/profile.json \\
@@ -25,10 +28,13 @@ import argparse
 import json
 import math
 import statistics
+import tempfile
 from pathlib import Path
 
 from specplan.bench.evaluate import _engine, add_cell_arguments, cell_prompts, rotated_rounds, run_cell
+from specplan.bench.workloads import load_workload
 from specplan.engine import FixedDecider, load_model
+from specplan.planner.beliefs import BeliefStore, latency_id
 from specplan.planner import DraftSlopeConfig
 from specplan.planner.pause import PauseConfig
 from specplan.planner.from_profile import planner_from_profile
@@ -45,19 +51,38 @@ VARIANTS = {
     "no-explore": {"policy": lambda: GoodputPolicy(explore_budget=0.0)},
     "pause-b4": {"pause": PauseConfig(min_decodes=4)},
     "fp32-ceiling": {"profile": "fp32-ceiling"},
+    "warm": {"warm": True},
     "again": {},
 }
 SHIPPED = "goodput"
 
 
-def decider_for(arm: str, profiles: dict[str, Profile], proposer: str):
-    """``profiles``: "shipped", and the profiles variants name by key."""
+def decider_for(arm: str, profiles: dict[str, Profile], proposer: str, beliefs: BeliefStore | None = None):
+    """``profiles``: "shipped", and the profiles variants name by key; ``beliefs``: what the
+    ``warm`` variant starts from."""
     if arm.startswith("static:"):
         return FixedDecider(int(arm.split(":")[1]))
     options = dict(VARIANTS.get(arm, {}))
     policy = options.pop("policy", lambda: make_policy("goodput"))()
     profile = profiles[options.pop("profile", "shipped")]
-    return planner_from_profile(profile, policy, proposer=proposer, max_k=8, **options)
+    warm = options.pop("warm", False)
+    planner = planner_from_profile(profile, policy, proposer=proposer, max_k=8, **options)
+    if warm:
+        beliefs.load_into(planner)
+    return planner
+
+
+def learned_beliefs(engine, profile: Profile, proposer: str, tokenizer, workload: str, held_out: list[list[int]],
+                    batch: int, path: Path) -> BeliefStore:
+    """A store holding what a planner learned over one cell of this workload's other prompts (seed
+    1, none of the cell's own), as ``serve`` or ``generate`` would have saved it."""
+    prompts = [p for p in (q.render(tokenizer) for q in load_workload(workload, 2 * len(held_out), 1))
+               if p not in held_out][:len(held_out)]
+    planner = decider_for(SHIPPED, {"shipped": profile}, proposer)
+    run_cell(engine, prompts, planner, MAX_TOKENS, concurrency=batch)
+    store = BeliefStore(path, latency=latency_id(profile.latency_model))
+    store.save(planner)
+    return store
 
 
 def with_fp32_ceiling(profile: Profile) -> Profile:
@@ -98,8 +123,14 @@ def main() -> None:
     for workload in args.workloads.split(","):
         prompts = cell_prompts(loaded.tokenizer, workload, args.batch, min_requests=args.requests)
         run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
+        beliefs = None
+        if "warm" in variants:
+            with tempfile.TemporaryDirectory() as tmp:
+                beliefs = learned_beliefs(engine, profile, args.proposer, loaded.tokenizer, workload, prompts,
+                                          args.batch, Path(tmp) / "beliefs.json")
+                beliefs.document()  # read now, before the directory goes
         runs = rotated_rounds(arms, args.rounds, lambda arm: run_cell(
-            engine, prompts, decider_for(arm, profiles, args.proposer), MAX_TOKENS, concurrency=args.batch))
+            engine, prompts, decider_for(arm, profiles, args.proposer, beliefs), MAX_TOKENS, concurrency=args.batch))
         off = runs["static:0"]
         same = all(x["outputs"] == off[0]["outputs"] for arm in arms for x in runs[arm])
 
