@@ -225,7 +225,7 @@ class GridFit:
 
 def fit_grid(grid) -> GridFit:
     """``fit_latency_model`` over a measured grid, with its errors: what a profile records, when it
-    is measured (profiler/run.py, profiler/vllm_timer.py) and when it is refitted
+    is measured (profiler/run.py ``build_profile``, for this engine's grid and vLLM's) and when it is refitted
     (profiler/profile.py ``refit_profile``). ``grid``: a table (pandas) with batch_size,
     num_tokens, context_tokens and seconds columns, one row per cell."""
     shapes = [StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)) for r in grid.itertuples()]
