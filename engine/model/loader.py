@@ -29,6 +29,7 @@ from .quant import BLOCK, GGUF_BLOCK_BYTES, SCHEMES, QuantWeight
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+    from .gguf_file import GGUFFile
 
 # No machine here reaches a model hub. huggingface_hub reads this once, when first imported, so it
 # is set at import time; every call below also passes local_files_only=True.
@@ -135,13 +136,15 @@ def load_model(
                                  f"directory; use --quantize {' or '.join(SCHEMES)}")
         return quantize_model(_load_hf_dir(path, dtype, name=path.resolve().name), quantize)
     if path.suffix.lower() == ".gguf":
+        blocks = None
         if quantize == "gguf":
             _check_gguf_magic(path)
-            _check_gguf_types(path)  # before the slow float conversion
+            blocks = _read_gguf(path)
+            _check_gguf_types(blocks)  # before the slow float conversion
         hf_dir = _gguf_to_cached_hf_dir(path, cache_dir)
         loaded = _load_hf_dir(hf_dir, dtype, name=_gguf_display_name(path))
-        if quantize == "gguf":
-            return _with_quant_weights(loaded, _gguf_quant_weights(path, loaded.config))
+        if blocks is not None:
+            return _with_quant_weights(loaded, _gguf_quant_weights(blocks, loaded.config))
         return quantize_model(loaded, quantize)
     raise ModelLoadError(
         f"{path} is neither a directory nor a .gguf file; pass a Hugging Face model directory "
@@ -319,40 +322,40 @@ def _gguf_tensor_names(name: str, tied: bool) -> str | None:
     return None
 
 
-def _check_gguf_types(gguf: Path) -> None:
-    from gguf import GGUFReader
+def _read_gguf(gguf: Path) -> GGUFFile:
+    """The GGUF's tensor table and metadata (engine/model/gguf_file.py; its weights stay mapped)."""
+    from .gguf_file import GGUFFile
 
     try:
-        reader = GGUFReader(gguf)
-    except Exception as e:
+        return GGUFFile(gguf)
+    except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read GGUF {gguf}: {_one_line(e)}; the file may be corrupt or truncated") from e
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
-    for t in reader.tensors:
-        kind = t.tensor_type.name
+
+
+def _check_gguf_types(gguf: GGUFFile) -> None:
+    tied = not any(t.name == "output.weight" for t in gguf.tensors)
+    for t in gguf.tensors:
+        kind = t.type_name
         if kind not in _GGUF_AS_STORED and kind not in _GGUF_FLOAT and _gguf_tensor_names(t.name, tied):
             raise ModelLoadError(
-                f"{gguf.name}: tensor {t.name} is {kind}, which specplan cannot run as stored (it runs "
+                f"{gguf.path.name}: tensor {t.name} is {kind}, which specplan cannot run as stored (it runs "
                 f"{', '.join(_GGUF_AS_STORED)} and {'/'.join(_GGUF_FLOAT)}); use --quantize "
                 f"{' or '.join(SCHEMES)} to requantize the dequantized weights, or none for float32")
 
 
-def _gguf_quant_weights(gguf: Path, config: ModelConfig) -> dict[str, QuantWeight]:
+def _gguf_quant_weights(gguf: GGUFFile, config: ModelConfig) -> dict[str, QuantWeight]:
     """The GGUF's Q8_0 / Q4_0 / Q4_1 projections and LM head, blocks as stored, under Hugging Face
     names. llama.cpp stores a Llama's q and k rows permuted for its RoPE; the rows are put back in
     Hugging Face's order (as transformers does with the float tensors)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf)
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field else ""
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    arch = gguf.metadata.get("general.architecture", "")
+    tied = not any(t.name == "output.weight" for t in gguf.tensors)
     out: dict[str, QuantWeight] = {}
-    for t in reader.tensors:
+    for t in gguf.tensors:
         hf = _gguf_tensor_names(t.name, tied)
-        fmt = _GGUF_AS_STORED.get(t.tensor_type.name)
+        fmt = _GGUF_AS_STORED.get(t.type_name)
         if hf is None or fmt is None:
             continue  # float tensors come from the converted directory
-        weight = QuantWeight.from_gguf_blocks(fmt, t.data)  # [N, K] in blocks
+        weight = QuantWeight.from_gguf_blocks(fmt, gguf.raw(t))  # [N, K] in blocks
         if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             weight = weight.rows(_llama_cpp_row_order(weight.shape[0], heads))
@@ -513,12 +516,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def _gguf_chat_template(gguf: Path) -> str | None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf).fields.get("tokenizer.chat_template")
-    if field is None:
-        return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    template = _read_gguf(gguf).metadata.get("tokenizer.chat_template")
+    return template if isinstance(template, str) else None
 
 
 def _one_line(e: BaseException) -> str:

@@ -71,10 +71,10 @@ class QuantWeight:
 
     @staticmethod
     def from_gguf_blocks(fmt: str, raw: np.ndarray | torch.Tensor) -> QuantWeight:
-        """raw [N, KB * block bytes] uint8, one GGUF row per output feature (GGUFReader's
-        ``tensor.data`` for a quantised 2-D tensor)."""
+        """raw [N, KB * block bytes] uint8, one GGUF row per output feature (``GGUFFile.raw`` of a
+        quantised 2-D tensor, engine/model/gguf_file.py)."""
         nbytes = GGUF_BLOCK_BYTES[fmt]
-        raw = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: GGUFReader maps the file read-only
+        raw = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the file is mapped read-only
         n = raw.shape[0]
         blocks = raw.view(n, -1, nbytes)  # [N, KB, bytes]
         d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [N, KB]
