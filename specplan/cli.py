@@ -398,6 +398,7 @@ def sweep(
     max_model_len: MaxModelLen = 2048,
     in_process_client: Annotated[bool, typer.Option(help="Run the load generator in the server's process (default: a child process).")] = False,
     beliefs: Beliefs = True,
+    quantize: Quantize = "none",
 ) -> None:
     """Run every policy at every load level against an in-process server; write parquet results and the report."""
     import shlex
@@ -437,6 +438,7 @@ def sweep(
                      max_tokens=max_tokens, max_input_tokens=max_input_tokens, warmup_requests=warmup_requests,
                      drain_timeout_s=drain_timeout_s, burstiness=burstiness, temperature=temperature,
                      ignore_eos=ignore_eos, max_k=max_k, client_process=not in_process_client, beliefs=beliefs,
+                     quantize=quantize,
                      engine_kwargs={"max_num_seqs": max_num_seqs, "kv_cache_bytes": kv_cache_mib * 1024**2,
                                     "max_model_len": max_model_len},
                      progress=sys.stderr.isatty(), command="specplan " + shlex.join(sys.argv[1:]))

@@ -240,6 +240,7 @@ def test_short_sweep_runs_end_to_end(tmp_path):
     levels = pd.read_parquet(out / "levels.parquet")
     config = json.loads((out / "sweep.json").read_text())
     assert config["status"] == "complete" and config["deciders"]["off"] == "FixedDecider(k=0)"
+    assert config["weights"] == "float32"
     assert len(levels) == 4 and set(levels["policy"]) == {"off", "goodput"} and set(levels["load"]) == {2.0, 6.0}
     assert reqs["success"].all(), reqs[~reqs["success"]]["error"].tolist()
     # The same requests (prompt and send time) for both policies at a level.
@@ -254,3 +255,27 @@ def test_short_sweep_runs_end_to_end(tmp_path):
     assert (levels["output_throughput"] > 0).all() and (levels["completed"] == levels["num_requests"]).all()
     text = (out / "report.md").read_text()  # run_sweep renders the report
     assert "## Summary" in text and (out / "latency.png").exists()
+    assert "Model **tiny-sweep** (float32 weights)" in text
+
+
+def test_the_sweep_loads_the_weights_it_is_asked_for_and_writes_nothing_when_it_cannot(tmp_path, monkeypatch):
+    """``specplan sweep --quantize`` reaches the loader; a load that fails writes nothing (the CLI's
+    check of --out made the folder, nothing more)."""
+    from typer.testing import CliRunner
+
+    import specplan.engine as engine
+    from specplan.cli import app
+    from specplan.engine.model.loader import ModelLoadError
+
+    asked = []
+
+    def refuse(model=None, quantize="none", **_):
+        asked.append(quantize)
+        raise ModelLoadError("no model here")
+
+    monkeypatch.setattr(engine, "load_model", refuse)
+    out = tmp_path / "sweep"
+    result = CliRunner().invoke(app, ["sweep", "--rates", "1", "--policies", "off", "--workload", "gsm8k",
+                                      "--quantize", "int8", "--out", str(out)])
+    assert asked == ["int8"] and "no model here" in result.stderr and result.exit_code == 2
+    assert list(out.iterdir()) == []

@@ -39,7 +39,7 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
               drain_timeout_s: float | None = None, burstiness: float = 1.0, temperature: float = 0.0,
               ignore_eos: bool = False, max_k: int = 8, max_queued: int = 1024, loaded: Any = None,
               engine_kwargs: dict | None = None, client_process: bool = True, progress: bool = True,
-              command: str | None = None, render: bool = True, beliefs: bool = False) -> Path:
+              command: str | None = None, render: bool = True, beliefs: bool = False, quantize: str = "none") -> Path:
     """Run every policy at every load level and write ``<out>/requests.parquet`` (one row per
     request), ``<out>/levels.parquet`` (one row per policy and level) and ``<out>/sweep.json``;
     then, with ``render``, the report (``sweep_report.render_report``).
@@ -52,7 +52,9 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
     missing, when a policy needs one). ``client_process``: run the load generator in a child
     process (default; its timestamps do not wait for the server's GIL). ``beliefs``: every planner
     policy starts from the beliefs saved for this model and machine (specplan/adaptive.py
-    ``belief_store``; read, never written). Returns the output folder.
+    ``belief_store``; read, never written). ``quantize``: the weights, as ``load_model`` takes them
+    (engine/model/loader.py: "gguf" serves a GGUF's Q4_1 / Q8_0 blocks as stored; unused with
+    ``loaded``). Returns the output folder.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -77,15 +79,14 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
     max_k = max([max_k, *static_ks])
     sla = SLA(sla_ttft_ms, sla_itl_ms, sla_tpot_ms, sla_e2el_ms)
     drain = drain_timeout_s if drain_timeout_s is not None else max(60.0, duration_s or 0.0)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
     t_load = time.perf_counter()
     if loaded is None:
         from specplan.engine import load_model
 
-        loaded = load_model(model)
+        loaded = load_model(model, quantize=quantize)  # a bad model or --quantize fails before anything is written
     load_s = time.perf_counter() - t_load
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     engine_kwargs = dict(engine_kwargs or {})
     max_model_len = min(engine_kwargs.get("max_model_len", 2048), loaded.config.max_position_embeddings)
     input_cap = max_model_len - max_tokens
@@ -118,7 +119,8 @@ def run_sweep(policies: Sequence[str], rates: Sequence[float] | None = None, wor
         "duration_s": duration_s, "num_requests": num_requests, "max_tokens": max_tokens,
         "max_input_tokens": max_input_tokens, "warmup_requests": warmup_requests, "drain_timeout_s": drain,
         "burstiness": burstiness, "temperature": temperature, "ignore_eos": ignore_eos, "seed": seed,
-        "model": loaded.name, "model_arg": model, "proposer": proposer, "max_k": max_k,
+        "model": loaded.name, "model_arg": model, "weights": loaded.config.quantization or "float32",
+        "proposer": proposer, "max_k": max_k,
         "profile": prof_desc, "beliefs": str(store.path) if store is not None else None, "engine_kwargs": {k: str(v) for k, v in engine_kwargs.items()},
         "num_prompts": len(prompts), "client": "subprocess" if client_process else "in-process",
         "machine": {**machine_info(), "load_avg_1m_at_start": (load_average() or [None])[0]},

@@ -428,7 +428,8 @@ def render_report(out_dir: str | Path, sla: SLA | None = None) -> Path:
     wl = config.get("workload")
     size = (f"{config['duration_s']:g} s of arrivals per level" if config.get("duration_s") is not None
             else f"{config.get('num_requests')} requests per level")
-    L.append(f"Model **{config.get('model')}**, proposer **{config.get('proposer')}**, workload **{wl}**, "
+    weights = f" ({config['weights']} weights)" if config.get("weights") else ""  # sweeps before it: float32
+    L.append(f"Model **{config.get('model')}**{weights}, proposer **{config.get('proposer')}**, workload **{wl}**, "
              f"{config.get('mode')} levels {', '.join(f'{x:g}' for x in loads)} {unit}, {size}, "
              f"max {config.get('max_tokens')} output tokens (temperature {config.get('temperature')}), "
              f"{config.get('warmup_requests')} warm-up requests per level.")
