@@ -12,7 +12,7 @@ from specplan.engine.model.loader import ModelLoadError, load_model
 
 def _write(path, alignment: int | None = None) -> None:
     """Every kind of metadata (scalars, strings, arrays of numbers and of strings, an array of
-    arrays) and tensors of five types and ranks, at a non-default alignment if asked."""
+    arrays) and tensors of five types, of rank 1 and 2, at a non-default alignment if asked."""
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), "llama")
     if alignment is not None:
