@@ -263,7 +263,6 @@ def test_the_sweep_loads_the_weights_it_is_asked_for_and_writes_nothing_when_it_
     check of --out made the folder, nothing more)."""
     from typer.testing import CliRunner
 
-    import specplan.engine as engine
     from specplan.cli import app
     from specplan.engine.model.loader import ModelLoadError
 
@@ -273,7 +272,7 @@ def test_the_sweep_loads_the_weights_it_is_asked_for_and_writes_nothing_when_it_
         asked.append(quantize)
         raise ModelLoadError("no model here")
 
-    monkeypatch.setattr(engine, "load_model", refuse)
+    monkeypatch.setattr("specplan.engine.load_model", refuse)  # run_sweep imports it when it runs
     out = tmp_path / "sweep"
     result = CliRunner().invoke(app, ["sweep", "--rates", "1", "--policies", "off", "--workload", "gsm8k",
                                       "--quantize", "int8", "--out", str(out)])
