@@ -173,6 +173,21 @@ def test_a_cached_profile_from_an_older_profiler_is_measured_again(tiny_profile,
     assert len(fresh) == 1  # measured again
 
 
+def test_a_fresh_profile_that_fits_badly_says_so(tiny_profile, tmp_path, monkeypatch, capsys):
+    """A quick profile measured on a busy machine is named in one warning; a good one is not."""
+    import specplan.adaptive as adaptive
+
+    loaded, _, profile = tiny_profile
+    monkeypatch.setattr(adaptive, "default_profile_path", lambda current: tmp_path / "none.json")
+    for heldout, warned in ((3.4, False), (27.7, True)):
+        made = profile.model_copy(update={"fit": profile.fit.model_copy(update={"heldout_mape": heldout})})
+        monkeypatch.setattr(adaptive, "run_profile", lambda made=made, **kw: (made, tmp_path / "p.json", tmp_path / "r.md"))
+        adaptive.load_or_make_profile(loaded, None)
+        err = capsys.readouterr().err
+        assert ("off by 27.7% on held-out cells" in err and "`specplan profile`" in err) == warned, err
+        assert ("warning:" in err) == warned
+
+
 def test_forced_k_drafts_for_the_first_requests_only_when_asked():
     """ForcedK gives k to every request, or (``drafting``) to the first n and 0 to the rest: the
     mixed-width steps scripts/bench_mixed_drafts.py times against the profile's price."""
