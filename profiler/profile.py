@@ -55,12 +55,28 @@ class CostConstants(BaseModel):
     attention_flops_per_token_pair: float  # per (query token, key) pair, all layers
 
 
+# A quick profile measured on a quiet 2-core VM predicts held-out cells within 2.6-8.6%; one
+# measured beside another job read 27.7% (reports/README.md). The planner still corrects step
+# times online, but a user should know such a profile is worth measuring again.
+NOISY_FIT_PERCENT = 10.0
+
+
 class FitError(BaseModel):
     heldout_mape: float  # % on cells held out of the fit
     train_mape: float
     roofline_mape: float  # % of the pure roofline prediction on all cells
     num_cells: int
     num_heldout: int
+
+    def busy_machine_warning(self) -> str | None:
+        """One line for a fit too far off to trust (likely a busy machine), None otherwise."""
+        if self.heldout_mape <= NOISY_FIT_PERCENT:
+            return None
+        return (f"the profile's latency model is off by {self.heldout_mape:.1f}% on held-out cells (a quiet "
+                f"machine reads under {NOISY_FIT_PERCENT:g}%): the machine was likely busy while it was measured. "
+                "The planner corrects step times as it serves; to measure again on a quiet machine, run "
+                "`specplan profile` with the options this one was made with (--model, --quantize, --engine; "
+                "it replaces the cached profile)")
 
 
 # Profiles written before the profiler stored the planner's ``DraftCost`` named its fields so.

@@ -49,22 +49,10 @@ def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: t
     # The report goes beside the cached profile: serving must not rewrite the repository's reports/.
     profile, path, report = run_profile(loaded=loaded, quick=True, report_dir=profile_cache_dir())
     typer.secho(f"[profile written to {path}; report {report}]", err=True, fg=typer.colors.BRIGHT_BLACK)
-    if profile.fit.heldout_mape > NOISY_FIT_PERCENT:
-        typer.secho(f"warning: {noisy_fit_warning(profile.fit.heldout_mape)}", err=True, fg=typer.colors.YELLOW)
+    busy = profile.fit.busy_machine_warning()
+    if busy:
+        typer.secho(f"warning: {busy}", err=True, fg=typer.colors.YELLOW)
     return profile
-
-
-# A quick profile measured on a quiet 2-core VM predicts held-out cells within 2.6-8.6%; one
-# measured beside another job read 27.7% (reports/README.md). The planner still corrects step
-# times online, but a user should know the cached profile is worth measuring again.
-NOISY_FIT_PERCENT = 10.0
-
-
-def noisy_fit_warning(heldout_mape: float) -> str:
-    return (f"the fresh profile's latency model is off by {heldout_mape:.1f}% on held-out cells (a quiet "
-            f"machine reads under {NOISY_FIT_PERCENT:g}%): the machine was likely busy while it was measured. "
-            "The planner corrects step times as it serves; to measure again on a quiet machine, run "
-            "`specplan profile` with the same --model / --quantize (it replaces the cached profile)")
 
 
 def _add_head_cost(profile: Profile, loaded: LoadedModel, proposers: Iterable[str], save_to: Path | None) -> None:

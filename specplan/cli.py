@@ -365,6 +365,9 @@ def profile_cmd(
     f = profile.fit
     typer.echo(f"profile: {path}\nreport:  {report}\nlatency model error on held-out cells: {f.heldout_mape:.1f}% "
                f"(pure roofline: {f.roofline_mape:.1f}%)")
+    busy = f.busy_machine_warning()
+    if busy:
+        typer.secho(f"warning: {busy}", err=True, fg=typer.colors.YELLOW)
 
 
 @app.command()

@@ -186,6 +186,7 @@ def test_a_fresh_profile_that_fits_badly_says_so(tiny_profile, tmp_path, monkeyp
         err = capsys.readouterr().err
         assert ("off by 27.7% on held-out cells" in err and "`specplan profile`" in err) == warned, err
         assert ("warning:" in err) == warned
+    assert profile.fit.model_copy(update={"heldout_mape": 10.0}).busy_machine_warning() is None  # the bar itself is quiet
 
 
 def test_forced_k_drafts_for_the_first_requests_only_when_asked():
