@@ -105,10 +105,23 @@ def step_cost(cfg: ModelConfig, query_lens: list[int], context_lens: list[int], 
 
 
 def decode_step_cost(cfg: ModelConfig, batch_size: int, tokens_per_seq: int, context: int,
-                     itemsize: int = 4, weight_itemsize: float | None = None) -> Cost:
-    """B sequences each verifying T tokens (1 + k) over ``context`` earlier tokens: logits on every row."""
-    return step_cost(cfg, [tokens_per_seq] * batch_size, [context + tokens_per_seq] * batch_size,
-                     logits_rows=batch_size * tokens_per_seq, itemsize=itemsize, weight_itemsize=weight_itemsize)
+                     itemsize: int = 4, weight_itemsize: float | None = None, drafting: int | None = None) -> Cost:
+    """B sequences over ``context`` earlier tokens, each verifying T tokens (1 + k), or (``drafting``)
+    the first ``drafting`` of them T tokens and the rest 1: logits on every row."""
+    drafting = batch_size if drafting is None else min(drafting, batch_size)
+    query_lens = [tokens_per_seq] * drafting + [1] * (batch_size - drafting)
+    return step_cost(cfg, query_lens, [context + q for q in query_lens], logits_rows=sum(query_lens),
+                     itemsize=itemsize, weight_itemsize=weight_itemsize)
+
+
+def grid_row_cost(cfg: ModelConfig, row, weight_itemsize: float | None = None) -> Cost:
+    """``decode_step_cost`` of one row of a measured step grid (profiler/run.py ``measure_grid``):
+    batch_size, tokens_per_seq, context and, where only some requests drafted, drafting (grids
+    from before that column, and vLLM's, are all uniform)."""
+    drafting = getattr(row, "drafting", None)
+    return decode_step_cost(cfg, int(row.batch_size), int(row.tokens_per_seq), int(row.context),
+                            weight_itemsize=weight_itemsize,
+                            drafting=None if drafting is None or drafting != drafting else int(drafting))  # NaN: a row from a grid without it
 
 
 def weight_bytes(cfg: ModelConfig, itemsize: int = 4, weight_itemsize: float | None = None) -> float:

@@ -9,7 +9,7 @@ import pandas as pd
 
 from specplan.engine import LoadedModel
 
-from .cost_model import decode_step_cost, layer_costs
+from .cost_model import decode_step_cost, grid_row_cost, layer_costs
 from .latency_model import StepShape
 from .machine import describe, machine_info
 from .profile import Profile
@@ -30,6 +30,25 @@ def _row_tile_lines(profile: Profile) -> list[str]:
                   f"{tile}** (as a GEMM that computes {tile} rows at a time would): drafts that fill a batch's last "
                   f"block are priced nearly free, the one that starts a new block is not")
     return ["", f"Row tile: the fit prices the step as {priced}."]
+
+
+def _lone_draft_lines(lone: pd.DataFrame, uniform: pd.DataFrame) -> list[str]:
+    """What one request's drafts add to a step of B plain decodes, measured and as the fit prices
+    it: the planner's choice at large B (``GridSpec.lone_drafts``)."""
+    if lone.empty:
+        return []
+    plain = uniform[uniform.tokens_per_seq == 1].set_index(["batch_size", "context"])
+    lines = ["", "## One request drafting", "",
+             "Steps of B requests where one drafts k tokens and the rest decode 1: what the drafts add to the plain "
+             "step (T = 1), measured and as the fit prices it.", "",
+             "| B | context | k | plain step (ms) | measured + ms | fit + ms |", "|---|---|---|---|---|---|"]
+    for r in lone.sort_values(["context", "batch_size", "tokens_per_seq"]).itertuples():
+        if (r.batch_size, r.context) not in plain.index:
+            continue
+        base = plain.loc[(r.batch_size, r.context)]
+        lines.append(f"| {r.batch_size} | {r.context} | {r.tokens_per_seq - 1} | {base.ms:.1f} | {r.ms - base.ms:+.2f} | "
+                     f"{r.predicted_ms - base.predicted_ms:+.2f} |")
+    return lines
 
 
 def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int, weight_itemsize: float) -> int | None:
@@ -56,16 +75,19 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
     path.parent.mkdir(parents=True, exist_ok=True)
     c = profile.ceilings
     cfg = loaded.config
-    g = grid.copy()
     w_item = weight_itemsize if weight_itemsize is not None else loaded.bytes_per_weight()
-    costs = [decode_step_cost(cfg, int(r.batch_size), int(r.tokens_per_seq), int(r.context), weight_itemsize=w_item)
-             for r in g.itertuples()]
+    g = grid.copy()
+    costs = [grid_row_cost(cfg, r, weight_itemsize=w_item) for r in g.itertuples()]
     g["intensity"] = [x.intensity for x in costs]
     g["gflops"] = [x.flops / s / 1e9 for x, s in zip(costs, g["seconds"])]
     g["floor_ms"] = [1e3 * x.roofline_seconds(c.peak_flops, c.bandwidth) for x in costs]
     g["ms"] = 1e3 * g["seconds"]
     g["predicted_ms"] = [1e3 * profile.predict(StepShape(int(r.batch_size), int(r.num_tokens), int(r.context_tokens)))
                          for r in g.itertuples()]
+    # Cells where one request drafts (``GridSpec.lone_drafts``) get a table of their own; the plots
+    # and the floor table are over cells where every request verifies T tokens.
+    lone = g[g.drafting < g.batch_size] if "drafting" in g else g.iloc[:0]
+    g = g.drop(lone.index)
     stem = path.with_suffix("")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -133,6 +155,7 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
         bound = "compute" if r.intensity > c.ridge else "memory"
         lines.append(f"| {r.batch_size} | {r.tokens_per_seq} | {r.context} | {r.ms:.1f} | {r.predicted_ms:.1f} | "
                      f"{r.floor_ms:.1f} | {r.ms / r.floor_ms:.2f} | {r.intensity:.1f} | {bound} |")
+    lines += _lone_draft_lines(lone, g)
     lines += ["", "## Per-layer intensity (one decoder layer, context 256)", "",
               "| shape | component | MFLOP | weight MB | KV MB | act. MB | FLOP/byte | bound |",
               "|---|---|---|---|---|---|---|---|"]

@@ -88,13 +88,15 @@ class StepTimer:
             self._ids += 1
             prompt = [self.rng.randrange(vocab) for _ in range(context)]
             self.engine.add_request(f"timer-{self._ids}", prompt, params)
-        self.decider.k = 0
+        self.decider.k, self.decider.drafting = 0, None
         sched = self.engine.scheduler
         while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
             self.engine.step()
 
-    def time_steps(self, tokens_per_seq: int, repeats: int, warmup: int = 1) -> StepTiming:
-        self.decider.k = tokens_per_seq - 1
+    def time_steps(self, tokens_per_seq: int, repeats: int, warmup: int = 1, drafting: int | None = None) -> StepTiming:
+        """Steps where every request verifies ``tokens_per_seq`` tokens, or (``drafting``) only the
+        first ``drafting`` requests and the rest 1 (a batch where a few requests speculate)."""
+        self.decider.k, self.decider.drafting = tokens_per_seq - 1, drafting
         seconds, totals, contexts = [], [], []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
@@ -102,7 +104,8 @@ class StepTimer:
             elapsed = time.perf_counter() - t0
             if i >= warmup:
                 rec = self.decider.records[-1]
-                if any(r.num_proposed != tokens_per_seq - 1 for r in rec.requests):
+                n = len(rec.requests) if drafting is None else min(drafting, len(rec.requests))
+                if sum(r.num_proposed for r in rec.requests) != n * (tokens_per_seq - 1):
                     raise RuntimeError("the engine shrank k (KV cache or token budget too small for this shape)")
                 seconds.append(rec.forward_s + rec.verify_s)
                 totals.append(elapsed)

@@ -16,7 +16,7 @@ from specplan.profiler.run import GridSpec, _measure_cheap_proposers, build_prof
 @pytest.fixture(scope="module")
 def tiny_profile():
     loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32, num_hidden_layers=3))
-    spec = GridSpec(batch_sizes=(1, 2, 4), tokens_per_seq=(1, 3), contexts=(16, 48), repeats=2)
+    spec = GridSpec(batch_sizes=(1, 2, 4), tokens_per_seq=(1, 3), contexts=(16, 48), repeats=2, lone_drafts=(1, 3))
     grid, drafts = measure_grid(loaded, spec, layer_skip_layers=1, progress=False)
     ceilings = Ceilings(peak_flops=1e11, bandwidth=2e10, device="cpu", dtype="float32", threads=2)
     profile = build_profile(loaded, ceilings, grid, drafts, _measure_cheap_proposers(repeats=16), torch.float32, "cpu")
@@ -25,10 +25,17 @@ def tiny_profile():
 
 def test_grid_covers_every_cell(tiny_profile):
     _, grid, profile = tiny_profile
-    assert len(grid) == 3 * 2 * 2
+    uniform = grid[grid.drafting == grid.batch_size]
+    assert len(uniform) == 3 * 2 * 2
     assert (grid["seconds"] > 0).all()
-    assert set(grid["num_tokens"]) == {b * t for b in (1, 2, 4) for t in (1, 3)}
-    assert profile.fit.num_cells == 12 and profile.fit.num_heldout >= 1
+    assert set(uniform["num_tokens"]) == {b * t for b in (1, 2, 4) for t in (1, 3)}
+    # One request drafting k = 1 or 3 beside plain decodes, at B = 2 and 4 (at B = 1 that is uniform):
+    # B + k query tokens, which no uniform cell at B = 4 has (4, 12).
+    lone = grid[grid.drafting < grid.batch_size]
+    assert sorted(zip(lone.batch_size, lone.context, lone.num_tokens)) == sorted(
+        (b, ctx, b + k) for b in (2, 4) for ctx in (16, 48) for k in (1, 3))
+    assert (lone.drafting == 1).all() and set(lone.tokens_per_seq) == {2, 4}
+    assert profile.fit.num_cells == len(grid) == 12 + 8 and profile.fit.num_heldout >= 1
     assert set(profile.draft_costs) == {"ngram", "suffix", "layer-skip"}
     assert profile.predict(StepShape(2, 6, 100)) > 0
 
@@ -41,16 +48,17 @@ def test_each_timed_step_follows_a_step_of_its_own_width(monkeypatch):
     steps = []  # (width T, timed?) of every step the grid runs through the timer, in order
     real = StepTimer.time_steps
 
-    def spy(self, tokens_per_seq, repeats, warmup=1):
-        steps.extend([(tokens_per_seq, False)] * warmup + [(tokens_per_seq, True)] * repeats)
-        return real(self, tokens_per_seq, repeats, warmup)
+    def spy(self, tokens_per_seq, repeats, warmup=1, drafting=None):
+        width = (tokens_per_seq, drafting)
+        steps.extend([(width, False)] * warmup + [(width, True)] * repeats)
+        return real(self, tokens_per_seq, repeats, warmup, drafting)
 
     monkeypatch.setattr(StepTimer, "time_steps", spy)
     loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32, num_hidden_layers=1))
-    measure_grid(loaded, GridSpec(batch_sizes=(2,), tokens_per_seq=(1, 3, 2), contexts=(16,), repeats=2),
+    measure_grid(loaded, GridSpec(batch_sizes=(2,), tokens_per_seq=(1, 3, 2), contexts=(16,), repeats=2, lone_drafts=(1,)),
                  layer_skip_layers=1, progress=False)
     timed = [i for i, (_, is_timed) in enumerate(steps) if is_timed]
-    assert len(timed) >= 3 * 3  # three widths, warm-up pass and two repeats
+    assert len(timed) >= 4 * 3  # four widths (one of them one request drafting), warm-up pass and two repeats
     assert all(i > 0 and steps[i - 1][0] == steps[i][0] for i in timed)
 
 
@@ -83,8 +91,8 @@ def test_the_grid_keeps_each_pass_ratios_when_the_machine_slows_mid_pass(monkeyp
     real = StepTimer.time_steps
     calls = []
 
-    def synthetic(self, tokens_per_seq, repeats, warmup=1):
-        timing = real(self, tokens_per_seq, repeats, warmup)
+    def synthetic(self, tokens_per_seq, repeats, warmup=1, drafting=None):
+        timing = real(self, tokens_per_seq, repeats, warmup, drafting)
         calls.append(tokens_per_seq)
         level = 1.0 if len(calls) <= 3 * 3 + 1 else 2.0  # warm-up pass + 2 passes + T=1 of pass 3
         cost = level * (1.0 + 0.1 * (tokens_per_seq - 1))
@@ -111,6 +119,8 @@ def test_profile_round_trips_and_report_renders(tiny_profile, tmp_path):
     report = render_profile_report(profile, grid, loaded, tmp_path / "profile-tiny-cpu.md", "test", 1.0, True)
     text = report.read_text()
     assert "held-out" in text and "ridge" in text
+    assert "## One request drafting" in text and "| 4 | 48 | 3 |" in text  # the lone-draft cells' own table
+    assert "| 4 | 4 | 48 |" not in text  # and not as T = 4 in the floor table (every request at T = 4)
     assert (tmp_path / "profile-tiny-cpu-roofline.png").stat().st_size > 1000
     assert (tmp_path / "profile-tiny-cpu-itl.png").stat().st_size > 1000
 
@@ -268,3 +278,22 @@ def test_refit_fits_the_saved_grid_again_and_names_a_missing_grid(tiny_profile, 
     with pytest.raises(ProfileError, match="no measured grid") as e:
         refit_profile(path)
     assert "\n" not in str(e.value)
+
+
+def test_a_grid_row_costs_the_step_its_cell_ran():
+    """The roofline of a grid row (profiler/cost_model.py ``grid_row_cost``): a cell where one of B
+    requests drafts is B - 1 plain decodes beside one verify of T tokens; a row without the
+    ``drafting`` column (an older grid, vLLM's) or with it missing (NaN, grids joined) is uniform."""
+    from types import SimpleNamespace
+
+    from specplan.profiler.cost_model import decode_step_cost, grid_row_cost, step_cost
+
+    cfg = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32, num_hidden_layers=1)).config
+    lone = grid_row_cost(cfg, SimpleNamespace(batch_size=4, tokens_per_seq=3, context=100, drafting=1))
+    assert lone == step_cost(cfg, [3, 1, 1, 1], [103, 101, 101, 101], logits_rows=6)
+    uniform = decode_step_cost(cfg, 4, 3, 100)
+    assert uniform.flops > lone.flops
+    for row in (SimpleNamespace(batch_size=4, tokens_per_seq=3, context=100),
+                SimpleNamespace(batch_size=4, tokens_per_seq=3, context=100, drafting=float("nan")),
+                SimpleNamespace(batch_size=4, tokens_per_seq=3, context=100, drafting=4)):
+        assert grid_row_cost(cfg, row) == uniform
