@@ -1,6 +1,7 @@
 """What n one-token drafts add to a decode step of B requests, measured beside the profile's price.
 
-The latency profile times steps where every request verifies the same number of tokens T; the
+The latency profile times steps where every request verifies the same number of tokens T, and
+(since profile grids have ``lone_drafts``) a few where one request drafts 1 or 3 tokens; the
 planner prices steps where a few requests draft and the rest do not. This times exactly those: B
 requests decoding at context ~256, n of them with k = 1 (n = 0 is plain decoding), the values of n
 shuffled within each round so the VM's slow and fast minutes hit them alike. Per n it prints the
@@ -10,7 +11,9 @@ that ran each row block over the whole K, the first draft added 2.7 ms where the
 0.73 (17 rows: three row blocks instead of two of 8), then about 0.55 ms per draft; at B=8, odd
 draft counts (unequal blocks) cost 2.1-2.3 ms and even ones 1.1-1.3. With every block on each
 4 KB chunk in turn (c22423e): B=16 +0.97 ms for the first draft (profile 0.70), +9.0 for 16
-(profile 11.3); B=8 +0.4-0.9 for 1-3 drafts, +2.1 for 8.
+(profile 11.3); B=8 +0.4-0.9 for 1-3 drafts, +2.1 for 8. On the Zen 4 VM (2026-11-30, Q4_1, 30
+rounds, context 256): the first draft +0.35 ms at B=4 (6.6 ms step), +1.45 at B=8 (11.7 ms), +1.56
+at B=16 (21.1 ms), +1.35 at B=32 (38.4 ms), each further one +0.7-0.9 (reports/profile-zen4-q4_1-s34).
 
 A development benchmark: `.venv/bin/python scripts/bench_mixed_drafts.py [B] [rounds] [all]
 [--quantize gguf] [--profile P.json]` from the repo root, on a quiet machine (the profile given, else

@@ -16,6 +16,8 @@ Variants (``--variants``, comma-separated):
   warm       the shipped planner started from beliefs (planner/beliefs.py) a planner saved after one
              cell of other prompts of the same workload at the same batch size: what a process
              that `serve` or `generate` ran before starts from, against the cold planner
+  other-profile  the shipped planner with the profile given by ``--other-profile`` (two profiles
+             of one engine, e.g. one measured by an older profiler, paired on the same cells)
   again      the shipped planner a second time: the null control of the comparison
 
     python scripts/planner_config_ab.py --quantize gguf --profile reports/profile-xeon-q4_1/profile.json \\
@@ -52,6 +54,7 @@ VARIANTS = {
     "pause-b4": {"pause": PauseConfig(min_decodes=4)},
     "fp32-ceiling": {"profile": "fp32-ceiling"},
     "warm": {"warm": True},
+    "other-profile": {"profile": "other"},
     "again": {},
 }
 SHIPPED = "goodput"
@@ -105,13 +108,18 @@ def main() -> None:
     ap.add_argument("--variants", default="no-settle")
     ap.add_argument("--static-ks", default="1,2")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--other-profile", default=None, help="the profile of the other-profile variant")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
+    if ("other-profile" in variants) != (args.other_profile is not None):
+        raise SystemExit("the other-profile variant and --other-profile go together")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"unknown variant(s) {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     profile = Profile.load(args.profile)
     profiles = {"shipped": profile}
+    if args.other_profile is not None:
+        profiles["other"] = Profile.load(args.other_profile)
     if "fp32-ceiling" in variants:
         profiles["fp32-ceiling"] = with_fp32_ceiling(profile)
         print(f"ridge {profile.ceilings.ridge:.1f} FLOP/byte; with the fp32 ceiling {profiles['fp32-ceiling'].ceilings.ridge:.1f}")

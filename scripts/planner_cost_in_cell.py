@@ -12,7 +12,10 @@ each forward pass). Arms other than the replay rotate their order each round; th
 runs right after the planner it replays.
 
     python scripts/planner_cost_in_cell.py --quantize gguf --profile reports/profile-xeon-q4_1/profile.json \\
-        --proposer ngram --batch 4 --rounds 5 [--requests 16] [--out FILE.json]
+        --proposer ngram --batch 4 --rounds 5 [--requests 16] [--max-tokens 64] [--out FILE.json]
+
+With ``--mixed`` the one cell is ``specplan bench coldstart``'s mixed batch instead (every workload
+in one batch of --batch requests), e.g. ``--mixed --batch 16 --max-tokens 128`` as that bench runs it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
+from specplan.bench.coldstart import mixed_prompts
 from specplan.bench.evaluate import _engine, add_cell_arguments, cell_prompts, rotated_rounds, run_cell
 from specplan.engine import FixedDecider, load_model
 from specplan.planner.from_profile import planner_from_profile
@@ -89,6 +93,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_cell_arguments(ap, proposer="ngram", workloads="gsm8k,humaneval,mtbench,xsum", rounds=5)
     ap.add_argument("--static-ks", default="1")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    ap.add_argument("--mixed", action="store_true", help="one cell: the cold-start bench's mixed batch of --batch requests")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     profile = Profile.load(args.profile)
@@ -96,16 +102,17 @@ def main() -> None:
     engine = _engine(loaded, args.proposer, max(args.batch, 32), 8)
     rotating = ["static:0"] + [f"static:{k}" for k in args.static_ks.split(",") if k] + ["goodput"]
     results = {}
-    for workload in args.workloads.split(","):
-        prompts = cell_prompts(loaded.tokenizer, workload, args.batch, min_requests=args.requests)
-        run_cell(engine, prompts, FixedDecider(1), MAX_TOKENS, concurrency=args.batch)  # warm-up
+    for workload in ["mixed"] if args.mixed else args.workloads.split(","):
+        prompts = (mixed_prompts(loaded, args.batch) if args.mixed else
+                   cell_prompts(loaded.tokenizer, workload, args.batch, min_requests=args.requests))
+        run_cell(engine, prompts, FixedDecider(1), args.max_tokens, concurrency=args.batch)  # warm-up
         spent = dict.fromkeys(CALLS, 0.0)
         steps = 0
         reference = None
 
         def run(name: str, decider) -> float:
             nonlocal reference
-            x = run_cell(engine, prompts, decider, MAX_TOKENS, concurrency=args.batch)
+            x = run_cell(engine, prompts, decider, args.max_tokens, concurrency=args.batch)
             outputs = x.pop("outputs")
             reference = reference or outputs
             if outputs != reference:

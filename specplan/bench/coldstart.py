@@ -186,6 +186,14 @@ def cold_start_rows(loaded, profile_path: Path, *, workloads=WORKLOADS, prompts:
     return rows
 
 
+def mixed_prompts(loaded, batch: int = 16, workloads=WORKLOADS) -> list[list[int]]:
+    """The mixed batch's prompts: batch / len(workloads) of each workload, interleaved
+    (humaneval, gsm8k, mtbench, xsum, humaneval, ...)."""
+    per = max(1, batch // len(workloads))
+    sets = [_prompts(loaded, w, per) for w in workloads]
+    return [s[i] for i in range(per) for s in sets][:batch]
+
+
 def mixed_rows(loaded, profile, *, batch: int = 16, runs: int = 5, static_ks=STATIC_KS, max_tokens: int = 128,
                workloads=WORKLOADS, proposer: str = "ngram", bar=None) -> list[dict]:
     """One row per (arm, run): every workload in one closed batch of ``batch`` requests."""
@@ -194,9 +202,7 @@ def mixed_rows(loaded, profile, *, batch: int = 16, runs: int = 5, static_ks=STA
     from specplan.planner.from_profile import planner_from_profile
     from specplan.policies import make_policy
 
-    per = max(1, batch // len(workloads))
-    sets = [_prompts(loaded, w, per) for w in workloads]
-    prompts = [s[i] for i in range(per) for s in sets][:batch]  # interleaved: humaneval, gsm8k, ...
+    prompts = mixed_prompts(loaded, batch, workloads)
     engine = _engine(loaded, proposer, len(prompts), 8)
     makers = [(OFF, lambda: FixedDecider(0))] + [(f"static:{k}", lambda k=k: FixedDecider(k)) for k in static_ks if k]
     makers.append((ADAPTIVE, lambda: planner_from_profile(profile, make_policy("goodput"), proposer=proposer, max_k=8)))
