@@ -11,8 +11,10 @@ in one call). It has none of the planner's safeguards (pooled priors by match le
 draft price, exploration, the pause, calibration, SLA): its choices are not the product's, and its
 goodput says little; its milliseconds a step are the point.
 
-Each round runs SD off, the shipped planner and the compact rule, their calls timed where they
-run (``planner_cost_in_cell.Recording``), tokens identical in every arm:
+Each round runs SD off, the shipped planner, the compact rule, and the compact rule with two of
+the planner's safeguards in the same flat form (``compact+learned``: pooled priors, a learned
+draft price per batch-size bucket), their calls timed where they run
+(``planner_cost_in_cell.Recording``), tokens identical in every arm:
 
     python scripts/compact_decider_cost.py --quantize gguf --profile reports/profile-zen4-q4_1-s34/profile.json \\
         --batch 4 --workloads gsm8k --rounds 6 [--mixed] [--max-tokens 64]
@@ -36,16 +38,33 @@ from specplan.profiler.latency_model import StepShape
 from specplan.profiler.profile import Profile
 
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0  # a draft accepted half the time until a request shows otherwise
+PRIOR_WEIGHT = 4.0  # with ``learned``: a new request starts from the pooled rate, as 4 drafts' worth
+LEVEL_WEIGHT = 0.1  # with ``learned``: the EMAs' weight of the newest step
 MAX_K = 8
 
 
 class CompactGoodput:
-    """The goodput rule over flat per-request counts (see the module docstring)."""
+    """The goodput rule over flat per-request counts (see the module docstring). ``learned``: two
+    of the planner's safeguards in the same flat form, (1) a new request's prior is the pooled
+    acceptance of the requests seen so far (PRIOR_WEIGHT drafts' worth), and (2) the profile's price
+    of drafts is scaled per batch-size bucket by what steps with drafts measured over the plain
+    steps' level (an EMA of measured increment / predicted increment)."""
 
-    def __init__(self, latency):
+    def __init__(self, latency, learned: bool = False):
         self.latency = latency  # the profile's fitted model (HingeLatencyModel: ``predict_added``)
+        self.learned = learned
         self.accepted: dict[int, float] = {}  # seq_id -> accepted drafts + prior
         self.rejected: dict[int, float] = {}  # seq_id -> verify steps that rejected a draft + prior
+        self.pooled = [PRIOR_ACCEPTED, PRIOR_REJECTED]  # every request's counts, summed
+        self.plain_level: dict[int, float] = {}  # B bucket -> EMA of measured / predicted, plain steps
+        self.price: dict[int, float] = {}  # B bucket -> EMA of measured / predicted draft increment
+        self._pending: tuple[int, float, float] | None = None  # (bucket, predicted base, predicted with drafts)
+
+    def _prior(self) -> tuple[float, float]:
+        if not self.learned:
+            return PRIOR_ACCEPTED, PRIOR_REJECTED
+        a, r = self.pooled
+        return PRIOR_WEIGHT * a / (a + r), PRIOR_WEIGHT * r / (a + r)
 
     def may_speculate(self, outline) -> bool:
         return True
@@ -56,16 +75,21 @@ class CompactGoodput:
         ks = [0] * n
         caps, rates, total = [], [], 0
         accepted, rejected = self.accepted, self.rejected
+        prior_a, prior_r = self._prior()
         for rv in reqs:
             cap = min(rv.available_drafts or 0, rv.max_k, MAX_K)
             caps.append(cap)
             total += cap
-            a = accepted.get(rv.seq_id, PRIOR_ACCEPTED)
-            rates.append(a / (a + rejected.get(rv.seq_id, PRIOR_REJECTED)))
+            a = accepted.get(rv.seq_id, prior_a)
+            rates.append(a / (a + rejected.get(rv.seq_id, prior_r)))
+        self._pending = None
         if not total:
             return ks
         base = StepShape(n + view.num_prefill_seqs, n + view.num_prefill_tokens, view.context_tokens)
         seconds = self.latency.predict_added(base, total)  # [total + 1]: the step with 0..total drafts
+        if self.learned:
+            scale = self.price.get(n.bit_length(), 1.0)
+            seconds = [seconds[0] + scale * (t - seconds[0]) for t in seconds]
         # The j-th draft of a request is emitted with probability rate^j (geometric acceptance):
         # give the next draft to the request whose next one is likeliest, while tokens/s rise.
         tokens, used = float(n), 0
@@ -84,12 +108,33 @@ class CompactGoodput:
 
     def observe(self, record) -> None:
         accepted, rejected = self.accepted, self.rejected
+        prior_a, prior_r = self._prior()
+        drafts = 0
         for rr in record.requests:
             if rr.k <= 0 or rr.num_proposed <= 0:
                 continue
-            accepted[rr.seq_id] = accepted.get(rr.seq_id, PRIOR_ACCEPTED) + rr.num_accepted
+            drafts += rr.num_proposed
+            accepted[rr.seq_id] = accepted.get(rr.seq_id, prior_a) + rr.num_accepted
+            self.pooled[0] += rr.num_accepted
             if rr.num_accepted < rr.num_proposed:
-                rejected[rr.seq_id] = rejected.get(rr.seq_id, PRIOR_REJECTED) + 1.0
+                rejected[rr.seq_id] = rejected.get(rr.seq_id, prior_r) + 1.0
+                self.pooled[1] += 1.0
+        if not self.learned or record.num_prefill_tokens or not record.requests:
+            return
+        n = len(record.requests)
+        bucket = n.bit_length()
+        measured = record.forward_s + record.verify_s
+        base = StepShape(record.num_seqs, record.num_tokens - drafts, record.context_tokens - drafts)
+        curve = self.latency.predict_added(base, drafts)  # [drafts + 1]
+        level = self.plain_level.get(bucket)
+        if not drafts:
+            self.plain_level[bucket] = measured / curve[0] if level is None else (
+                level + LEVEL_WEIGHT * (measured / curve[0] - level))
+        elif level is not None and curve[-1] > curve[0]:
+            ratio = (measured / level - curve[0]) / (curve[-1] - curve[0])  # measured increment / predicted
+            ratio = min(4.0, max(0.25, ratio))
+            price = self.price.get(bucket, 1.0)
+            self.price[bucket] = price + LEVEL_WEIGHT * (ratio - price)
 
 
 def main() -> None:
@@ -108,7 +153,7 @@ def main() -> None:
                    cell_prompts(loaded.tokenizer, workload, args.batch, min_requests=args.requests))
         run_cell(engine, prompts, FixedDecider(1), args.max_tokens, concurrency=args.batch)  # warm-up
         reference = None
-        spent = {arm: dict.fromkeys(CALLS, 0.0) for arm in ("planner", "compact")}
+        spent = {arm: dict.fromkeys(CALLS, 0.0) for arm in ("planner", "compact", "compact+learned")}
         steps = dict.fromkeys(spent, 0)
         mean_k = {arm: [] for arm in spent}
 
@@ -118,7 +163,7 @@ def main() -> None:
                 decider = FixedDecider(0)
             else:
                 inner = (planner_from_profile(profile, make_policy("goodput"), proposer=args.proposer, max_k=MAX_K)
-                         if arm == "planner" else CompactGoodput(profile.model()))
+                         if arm == "planner" else CompactGoodput(profile.model(), learned=arm == "compact+learned"))
                 decider = Recording(inner)
             x = run_cell(engine, prompts, decider, args.max_tokens, concurrency=args.batch)
             reference = reference or x["outputs"]
@@ -131,7 +176,7 @@ def main() -> None:
                 mean_k[arm].append(x["mean_k"])
             return x["goodput"]
 
-        goodput = rotated_rounds(["off", "planner", "compact"], args.rounds, run_arm)
+        goodput = rotated_rounds(["off", "planner", "compact", "compact+learned"], args.rounds, run_arm)
         line = [f"{workload} B={args.batch}, {args.max_tokens} tokens, {args.rounds} rounds:"]
         results[workload] = {"goodput": goodput}
         for arm in spent:
