@@ -137,12 +137,27 @@ class CompactGoodput:
             self.price[bucket] = price + LEVEL_WEIGHT * (ratio - price)
 
 
+class LookupsOnly:
+    """Says yes to every screen (so the engine runs its lookups for every request) and then gives
+    no drafts: what a step costs the engine besides any decision."""
+
+    def may_speculate(self, outline) -> bool:
+        return True
+
+    def decide(self, view) -> list[int]:
+        return [0] * len(view.requests)
+
+    def observe(self, record) -> None:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_cell_arguments(ap, proposer="ngram", workloads="gsm8k", rounds=6)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--mixed", action="store_true", help="one cell: the cold-start bench's mixed batch of --batch requests")
     ap.add_argument("--out", type=Path, default=None, help="a JSON of every cell's readings")
+    ap.add_argument("--lookups-only", action="store_true", help="also an arm that runs every lookup and drafts nothing")
     args = ap.parse_args()
     results = {}
     profile = Profile.load(args.profile)
@@ -153,7 +168,8 @@ def main() -> None:
                    cell_prompts(loaded.tokenizer, workload, args.batch, min_requests=args.requests))
         run_cell(engine, prompts, FixedDecider(1), args.max_tokens, concurrency=args.batch)  # warm-up
         reference = None
-        spent = {arm: dict.fromkeys(CALLS, 0.0) for arm in ("planner", "compact", "compact+learned")}
+        arms = ["planner", "compact", "compact+learned"] + (["lookups-only"] if args.lookups_only else [])
+        spent = {arm: dict.fromkeys(CALLS, 0.0) for arm in arms}
         steps = dict.fromkeys(spent, 0)
         mean_k = {arm: [] for arm in spent}
 
@@ -161,6 +177,8 @@ def main() -> None:
             nonlocal reference
             if arm == "off":
                 decider = FixedDecider(0)
+            elif arm == "lookups-only":
+                decider = Recording(LookupsOnly())
             else:
                 inner = (planner_from_profile(profile, make_policy("goodput"), proposer=args.proposer, max_k=MAX_K)
                          if arm == "planner" else CompactGoodput(profile.model(), learned=arm == "compact+learned"))
@@ -176,7 +194,7 @@ def main() -> None:
                 mean_k[arm].append(x["mean_k"])
             return x["goodput"]
 
-        goodput = rotated_rounds(["off", "planner", "compact", "compact+learned"], args.rounds, run_arm)
+        goodput = rotated_rounds(["off"] + arms, args.rounds, run_arm)
         line = [f"{workload} B={args.batch}, {args.max_tokens} tokens, {args.rounds} rounds:"]
         results[workload] = {"goodput": goodput}
         for arm in spent:
