@@ -7,7 +7,7 @@ few kilobytes. This measures what such a step costs, in the same cells, before a
 ``CompactGoodput`` below is the goodput rule in its plainest form (one acceptance rate per
 request from a Beta count, drafts given one at a time to the request whose next draft is likeliest
 accepted while the step's tokens per second still rise, the step's time from the profile's model
-in one call). It has none of the planner's safeguards (pooled priors by match length, the learned
+in one call). Plain, it has none of the planner's safeguards (pooled priors by match length, the learned
 draft price, exploration, the pause, calibration, SLA): its choices are not the product's, and its
 goodput says little; its milliseconds a step are the point.
 
@@ -17,7 +17,10 @@ draft price per batch-size bucket), their calls timed where they run
 (``planner_cost_in_cell.Recording``), tokens identical in every arm:
 
     python scripts/compact_decider_cost.py --quantize gguf --profile reports/profile-zen4-q4_1-s34/profile.json \\
-        --batch 4 --workloads gsm8k --rounds 6 [--mixed] [--max-tokens 64]
+        --batch 4 --workloads gsm8k --rounds 6 [--mixed] [--max-tokens 64] [--lookups-only] [--out FILE.json]
+
+``--lookups-only`` adds an arm that says yes to every screen and drafts nothing: what the engine's
+speculative path (its lookups for every request) costs a step by itself.
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ class CompactGoodput:
         self.pooled = [PRIOR_ACCEPTED, PRIOR_REJECTED]  # every request's counts, summed
         self.plain_level: dict[int, float] = {}  # B bucket -> EMA of measured / predicted, plain steps
         self.price: dict[int, float] = {}  # B bucket -> EMA of measured / predicted draft increment
-        self._pending: tuple[int, float, float] | None = None  # (bucket, predicted base, predicted with drafts)
 
     def _prior(self) -> tuple[float, float]:
         if not self.learned:
@@ -82,7 +84,6 @@ class CompactGoodput:
             total += cap
             a = accepted.get(rv.seq_id, prior_a)
             rates.append(a / (a + rejected.get(rv.seq_id, prior_r)))
-        self._pending = None
         if not total:
             return ks
         base = StepShape(n + view.num_prefill_seqs, n + view.num_prefill_tokens, view.context_tokens)
