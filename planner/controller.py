@@ -170,11 +170,17 @@ class Planner:
         weighs = getattr(policy, "weighs_planning_cost", False) and self.latency is not None
         self.pause = PlanningPause(config.pause) if config.pause is not None and weighs else None
         self._screen_s = 0.0  # the latest screen's own seconds, charged to the step it screened
+        self._pause_answered = False  # the pause answered the latest step (its observe learns nothing)
         # Whether the latest record ran a prompt: its step and the one after it are not timed for
         # the overhead learner (``_times_overhead``).
         self._prefilled = False
 
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def steps(self) -> int:
+        """Steps answered so far (decided, screened out or paused)."""
+        return self._step
 
     @property
     def zero_share(self) -> float:
@@ -267,8 +273,9 @@ class Planner:
         pause = self._pause_for(n)
         start = pause.clock() if pause is not None else 0.0
         self._screen_s = 0.0
-        if pause is not None and pause.paused(self._step + 1, n):
+        if pause is not None and pause.paused(self._step + 1, n, outline.num_prefill_seqs > 0):
             self._answer_zeros(n)
+            self._pause_answered = True
             return False
         if may_pay is None:
             return True
@@ -314,9 +321,11 @@ class Planner:
     def decide(self, view: StepView) -> list[int]:
         pause = self._pause_for(len(view.requests))
         start = pause.clock() if pause is not None else 0.0
-        if pause is not None and pause.paused(self._step + 1, len(view.requests)):
+        if pause is not None and pause.paused(self._step + 1, len(view.requests), view.num_prefill_seqs > 0):
             self._answer_zeros(len(view.requests))  # an engine that does not screen steps
+            self._pause_answered = True
             return [0] * len(view.requests)
+        self._pause_answered = False
         self._step += 1
         proposer = self.proposer or view.proposer
         planner_cap = self.config.max_k
@@ -366,7 +375,7 @@ class Planner:
         self.num_zero_decisions += ks.count(0)
         if step % 64 == 0:
             self._forget_stale()
-        if pause is not None:
+        if pause is not None and not pause.measures(num_decodes):  # the measured rule times the step in observe
             saved = self._predicted_saving_s(state, ks) if any(ks) else 0.0
             pause.planned(step, num_decodes, self._screen_s + pause.clock() - start, saved)
             self._screen_s = 0.0
@@ -398,6 +407,28 @@ class Planner:
         return (deeper if fits else ks), self.confidence.stop(token, pass_)
 
     def observe(self, record: StepRecord) -> None:
+        n = len(record.requests)
+        pause = self.pause
+        weighed = pause is not None and n > 0 and pause.weighs(n)
+        start = pause.clock() if weighed else 0.0
+        answered, self._pause_answered = self._pause_answered, False
+        prefill = record.num_prefill_tokens > 0
+        tokens = sum(rr.num_emitted for rr in record.requests) if weighed else 0
+        if answered and weighed:
+            # A paused step drafted nothing, and the learners pick up again when planning does:
+            # only what the pause and the settling after a prompt need.
+            self._prefilled = prefill
+            if prefill:
+                self.draft_slope.prefilled()
+            pause.timed(self._step, n, tokens, record.total_s + pause.clock() - start, paused=True, prefill=prefill)
+            return
+        self._learn(record)
+        if pause is not None and (weighed or prefill):
+            seconds = record.total_s + (pause.clock() - start if weighed else 0.0)
+            pause.timed(self._step, n, tokens, seconds, paused=False, prefill=prefill)
+
+    def _learn(self, record: StepRecord) -> None:
+        """``observe`` of a step the planner planned: acceptance, calibration, step time, overhead."""
         proposer = self.proposer or (self.last_state.proposer if self.last_state is not None else "unknown")
         touched = set()
         total_drafts = deepest = 0

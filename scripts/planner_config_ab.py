@@ -10,6 +10,8 @@ Variants (``--variants``, comma-separated):
   no-explore the goodput policy with ``explore_budget=0``: no probe where its choice is off
              (policies/goodput.py)
   pause-b4   ``PauseConfig(min_decodes=4)``: steps of 4 decodes or more may pause (planner/pause.py)
+  no-measured-pause  ``PauseConfig(min_measured_decodes=0)``: steps of 2-7 decodes never pause (the
+             planner before the measured rule, planner/pause.py)
   fp32-ceiling  the profile's peak FLOP/s replaced by the engine's fp32 kernels' (measured at the
              start): a quantized engine's ridge as profiles measured it before its int8 kernels
              counted (profiler/ceilings.py); the ridge scales the policy's exploration
@@ -52,6 +54,7 @@ VARIANTS = {
     "no-settle": {"draft_slope": DraftSlopeConfig(settle_steps=0)},
     "no-explore": {"policy": lambda: GoodputPolicy(explore_budget=0.0)},
     "pause-b4": {"pause": PauseConfig(min_decodes=4)},
+    "no-measured-pause": {"pause": PauseConfig(min_measured_decodes=0)},
     "fp32-ceiling": {"profile": "fp32-ceiling"},
     "warm": {"warm": True},
     "other-profile": {"profile": "other"},
@@ -137,8 +140,14 @@ def main() -> None:
                 beliefs = learned_beliefs(engine, profile, args.proposer, loaded.tokenizer, workload, prompts,
                                           args.batch, Path(tmp) / "beliefs.json")
                 beliefs.document()  # read now, before the directory goes
-        runs = rotated_rounds(arms, args.rounds, lambda arm: run_cell(
-            engine, prompts, decider_for(arm, profiles, args.proposer, beliefs), MAX_TOKENS, concurrency=args.batch))
+        def run(arm: str) -> dict:
+            decider = decider_for(arm, profiles, args.proposer, beliefs)
+            out = run_cell(engine, prompts, decider, MAX_TOKENS, concurrency=args.batch)
+            pause = getattr(decider, "pause", None)
+            out["paused_share"] = pause.paused_steps / max(1, decider.steps) if pause is not None else 0.0
+            return out
+
+        runs = rotated_rounds(arms, args.rounds, run)
         off = runs["static:0"]
         same = all(x["outputs"] == off[0]["outputs"] for arm in arms for x in runs[arm])
 
@@ -155,6 +164,8 @@ def main() -> None:
                                                 for v in variants},
                 "decider_ms_per_step": {arm: statistics.median(x["decider_ms_per_step"] for x in runs[arm])
                                         for arm in [SHIPPED] + variants},
+                # steps the planner's pause answered (planner/pause.py), of the steps it was asked about
+                "paused_share": {arm: statistics.median(x["paused_share"] for x in runs[arm]) for arm in [SHIPPED] + variants},
                 "outputs_identical": same}
         report[workload] = line
         print(f"{workload} B={args.batch}: x off " + ", ".join(f"{a} {v:.3f}" for a, v in line["over_off"].items())
@@ -162,6 +173,7 @@ def main() -> None:
               + "; shipped / " + ", ".join(f"{v} {line['shipped_over_variant'][v]:.3f} (rounds "
                                           + ", ".join(f"{x:.3f}" for x in line["shipped_over_variant_rounds"][v]) + ")"
                                           for v in variants)
+              + "; paused " + ", ".join(f"{a} {v:.0%}" for a, v in line["paused_share"].items())
               + f"; outputs identical: {same}", flush=True)
     summary = {"over_off": {arm: geo(v["over_off"][arm] for v in report.values()) for arm in [SHIPPED] + variants},
                "over_best_static": {arm: geo(v["over_best_static"][arm] for v in report.values())
