@@ -354,6 +354,9 @@ def test_a_profile_for_another_model_or_engine_is_refused(tmp_path):
         build_planner(PluginOptions(profile=str(path)), num_speculative_tokens=3, hf_config=tiny_llama_config())
     planner = build_planner(PluginOptions(profile=str(path)), num_speculative_tokens=4, hf_config=tiny_llama_config())
     assert planner.config.max_k == 4 and planner.latency is not None
+    # The pause's predicted rule acts from 8 decodes as in the engine; its measured rule (B = 2-7)
+    # is not used in vLLM (integrations/vllm.py ``build_planner`` says why).
+    assert planner.pause is not None and planner.pause.weighs(8) and not planner.pause.measures(4)
 
 
 # ---------------------------------------------------------------- vLLM itself
