@@ -410,22 +410,23 @@ class Planner:
         n = len(record.requests)
         pause = self.pause
         weighed = pause is not None and n > 0 and pause.weighs(n)
-        start = pause.clock() if weighed else 0.0
+        # Only the measured rule (B = 2-7) times steps here; at larger B nothing is read or summed.
+        measured = weighed and pause.measures(n)
+        start = pause.clock() if measured else 0.0
         answered, self._pause_answered = self._pause_answered, False
         prefill = record.num_prefill_tokens > 0
-        tokens = sum(rr.num_emitted for rr in record.requests) if weighed else 0
-        if answered and weighed:
+        if not (answered and weighed):
+            self._learn(record)
+        else:
             # A paused step drafted nothing, and the learners pick up again when planning does:
-            # only what the pause and the settling after a prompt need.
+            # only what the settling after a prompt needs.
             self._prefilled = prefill
             if prefill:
                 self.draft_slope.prefilled()
-            pause.timed(self._step, n, tokens, record.total_s + pause.clock() - start, paused=True, prefill=prefill)
-            return
-        self._learn(record)
-        if pause is not None and (weighed or prefill):
-            seconds = record.total_s + (pause.clock() - start if weighed else 0.0)
-            pause.timed(self._step, n, tokens, seconds, paused=False, prefill=prefill)
+        if measured or (prefill and pause is not None):
+            tokens = sum(rr.num_emitted for rr in record.requests)
+            seconds = record.total_s + (pause.clock() - start if measured else 0.0)
+            pause.timed(self._step, n, tokens, seconds, paused=answered and weighed, prefill=prefill)
 
     def _learn(self, record: StepRecord) -> None:
         """``observe`` of a step the planner planned: acceptance, calibration, step time, overhead."""
