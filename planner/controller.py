@@ -153,6 +153,8 @@ class Planner:
         if proposer is not None:
             self._timing_for(proposer)
         self.acceptance_config = config.tracked_acceptance
+        # What a request with no draft this step is valued at: nothing (``_no_drafts``).
+        self._zero_estimate = AcceptanceEstimate(0.0, (0.0,) * self.acceptance_config.max_k, 0.0)
         # Pools per (proposer, workload, greedy, match bucket): sampled requests accept less than
         # greedy ones, drafts from short lookup matches less than from long ones.
         self._pools: dict[tuple[str, str, bool, int | None], PooledAcceptance] = {}
@@ -336,6 +338,12 @@ class Planner:
         for rv in view.requests:
             t = self._tracked(rv.seq_id, rv.request_id, proposer, rv.greedy)
             t.last_seen_step = step
+            if rv.available_drafts == 0:
+                # Looked up and nothing found: no draft can be given, whatever the belief, so none
+                # is looked up or built (at B = 32 most rows of most steps; ``_no_drafts``).
+                reqs.append(self._no_drafts(rv, t, max(0, min(rv.max_k, planner_cap))))
+                beliefs.append(None)
+                continue
             acc = self.acceptance(t, rv.match_length)
             beliefs.append(acc)
             # available_drafts: proposed before deciding (n-gram, suffix), so their number is known.
@@ -380,6 +388,15 @@ class Planner:
             pause.planned(step, num_decodes, self._screen_s + pause.clock() - start, saved)
             self._screen_s = 0.0
         return ks
+
+    def _no_drafts(self, rv, t: _Tracked, cap: int) -> RequestState:
+        """The state of a request whose lookup found no draft this step: no gains (the engine caps
+        it at 0 drafts too), its last outcome and its observed steps as
+        any request's (the heuristic reads them), and no pooled evidence behind a belief it was
+        not given. Its belief for this step's match bucket is neither made nor read."""
+        acc = t.by_match.get(match_bucket(rv.match_length))
+        return _request_state(rv.seq_id, rv.request_id, cap, rv.num_tokens, self._zero_estimate, t.last_outcome,
+                              acc.steps_observed if acc is not None else 0, rv.greedy, float("inf"), True)
 
     @staticmethod
     def _predicted_saving_s(state: PolicyState, ks: list[int]) -> float:

@@ -61,14 +61,33 @@ def yardstick_s() -> float:
     return time.perf_counter() - t0
 
 
+class _SimulatedTime:
+    """What the plugin module reads as ``time`` under ``--fixed-clocks``: the simulation's clock,
+    which does not move during a call (the plugin's own time reads 0)."""
+
+    def __init__(self, now: list[float]):
+        self._now = now
+
+    def perf_counter(self) -> float:
+        return self._now[0]
+
+    def thread_time(self) -> float:
+        return self._now[0]
+
+
 def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer: str,
              seed: int = 0, screen_reuse_steps: int | None = None, yardstick: list[float] | None = None,
-             copy_share: float = 0.5, flush_mib: int = 0) -> tuple[PlanningDrafter, list[float]]:
+             copy_share: float = 0.5, flush_mib: int = 0, fixed_clocks: bool = False,
+             answers: list | None = None) -> tuple[PlanningDrafter, list[float]]:
     """Drive the drafter as vLLM would: B rows, greedy verification against each row's target.
     ``yardstick``: a list to append ``yardstick_s()`` to after every call; ``copy_share``: how often
     the rows' text copies itself (0.5: the lookups' drafts often pay; 0.1: chat-like, few do);
     ``flush_mib``: read that many MiB before every call (not timed), as vLLM's forward pass does
-    between two calls: the plugin then runs from cold caches, as in vLLM's worker."""
+    between two calls: the plugin then runs from cold caches, as in vLLM's worker.
+    ``fixed_clocks``: the plugin and the planner read the simulation's clock only (their own time
+    reads 0, so the pause never finds planning too dear and the overhead learner learns 0): the
+    decisions are then the same from run to run and from one source tree to another, and the
+    calls timed are all planned ones. ``answers``: a list to append every call's drafts to."""
     from specplan.profiler.fit import HingeLatencyModel
     from specplan.profiler.latency_model import StepShape
 
@@ -93,6 +112,12 @@ def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer:
         planner.config = dataclasses.replace(planner.config, screen_reuse_steps=screen_reuse_steps)
     sim_now = [0.0]
     drafter = PlanningDrafter(planner, 8, MAX_LEN, 4096, lookup=make_lookup(proposer), clock=lambda: sim_now[0])
+    if fixed_clocks:
+        import specplan.integrations.vllm as plugin_module
+
+        plugin_module.time = _SimulatedTime(sim_now)  # this process only: the script's own timing is real
+        if planner.pause is not None:
+            planner.pause.clock = lambda: sim_now[0]
     token_ids = np.zeros((batch, MAX_LEN), dtype=np.int32)  # [max_num_seqs, max_model_len], vLLM's buffers
     lens = np.zeros(batch, dtype=np.int32)  # [max_num_seqs]
     targets: list[TargetText | None] = [None] * batch
@@ -112,6 +137,8 @@ def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer:
         t0 = time.perf_counter()
         drafts = drafter.propose(sampled, lens, token_ids)
         costs.append(time.perf_counter() - t0)
+        if answers is not None:
+            answers.append(drafts)
         if yardstick is not None:
             yardstick.append(yardstick_s())
         width = sum(1 + len(d) for d in drafts)
@@ -305,6 +332,9 @@ def main() -> None:
                     help="offline: how often the simulated text copies itself (0.1 reads like chat at B = 32: few drafts pay)")
     ap.add_argument("--flush-mib", type=int, default=0,
                     help="offline: read this many MiB before every call, as vLLM's forward pass does (64: cold caches)")
+    ap.add_argument("--fixed-clocks", action="store_true",
+                    help="offline: the plugin and planner read the simulated clock only (the same decisions from run to "
+                         "run and between source trees; every call planned); prints a digest of the drafts")
     ap.add_argument("--cprofile", action="store_true", help="print the top functions (offline: by cumulative time; --vllm: by own time, the calls in vLLM's worker)")
     ap.add_argument("--planner-breakdown", action="store_true",
                     help="offline: the planner's functions' inclusive ms per call (wrapped timers, ~0.3 us each)")
@@ -322,9 +352,16 @@ def main() -> None:
         prof = cProfile.Profile()
         prof.enable()
     yard: list[float] = []
+    answers: list = []
     drafter, costs = simulate(args.batch, args.steps, args.policy, args.profile, args.proposer,
                               screen_reuse_steps=args.screen_reuse_steps, yardstick=yard,
-                              copy_share=args.copy_share, flush_mib=args.flush_mib)
+                              copy_share=args.copy_share, flush_mib=args.flush_mib, fixed_clocks=args.fixed_clocks,
+                              answers=answers)
+    if args.fixed_clocks:
+        import hashlib
+
+        print(f"drafts digest {hashlib.sha256(json.dumps(answers).encode()).hexdigest()[:16]} "
+              f"(the same decisions give the same digest)")
     if args.cprofile:
         prof.disable()
         pstats.Stats(prof).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(35)

@@ -1441,3 +1441,26 @@ def test_filler_builds_the_same_object_and_refuses_a_short_one():
         make(3, "r", 4, 4, 2, 3, 8, 5)  # a field left out would be missing, not its default
     with pytest.raises(TypeError, match="__post_init__"):
         filler(AcceptanceEstimate)
+
+
+def test_a_request_without_drafts_this_step_gets_no_belief_built():
+    # A lookup that found nothing: the request is valued at nothing without its belief for this
+    # step's match bucket being made or read (most rows of a large batch, every step); its last
+    # outcome and observed steps still reach the policy (the heuristic reads them).
+    planner = Planner(make_policy("heuristic"), FLAT, proposer="ngram")
+    found = RequestView(0, "r0", 500, 10, 4, True, available_drafts=4, match_length=5)
+    ks = planner.decide(StepView((found,), 0, 0, 500, "ngram"))
+    planner.observe(StepRecord((RequestRecord(0, "r0", ks[0], ks[0], ks[0], ks[0] + 1, 8, 5),), 1, 1 + ks[0], 0,
+                               500 + ks[0], 0.0, 0.01, 0.0, 0.01))
+    tracked = planner._requests[0]
+    buckets = set(tracked.by_match)
+    nothing = RequestView(0, "r0", 505, 15, 0, True, available_drafts=0, match_length=0)
+    assert planner.decide(StepView((nothing,), 0, 0, 505, "ngram")) == [0]
+    assert set(tracked.by_match) == buckets  # no belief made for the empty lookup's bucket
+    state = planner.last_state.requests[0]
+    assert state.acceptance.gains == (0.0,) * 8 and state.max_k == 0 and state.looked_up
+    assert state.last_outcome == tracked.last_outcome and state.steps_observed == 0
+    # The same request found again by a 5-token match: the belief it observed is the one read.
+    again = RequestView(0, "r0", 506, 16, 4, True, available_drafts=4, match_length=5)
+    planner.decide(StepView((again,), 0, 0, 506, "ngram"))
+    assert planner.last_state.requests[0].steps_observed == 1
