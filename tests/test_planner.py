@@ -156,6 +156,32 @@ def test_the_few_drafts_search_matches_the_vectorised_one(seed, monkeypatch):
     assert any(max(a.ks) < max(c) for a, c in drafting)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_requests_without_drafts_count_in_the_goodput_but_not_in_the_search(seed):
+    """``allocate`` searches only the requests with a draft to give and puts their ks back in
+    batch order; the others still emit a token each. Requests without drafts (cap 0, or gains 0)
+    interleaved among up to three that have some: the best goodput over every allocation, and
+    the same allocation through both searches (plain Python and numpy)."""
+    import specplan.policies.goodput as goodput_module
+
+    rng = random.Random(seed)
+    for trial in range(30):
+        found = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]
+        rows = [(AcceptanceEstimate(rng.uniform(0.3, 0.95), exact_length(n, 8), rng.uniform(0.2, 0.95)), n) for n in found]
+        rows += [(AcceptanceEstimate(rng.random(), exact_length(0, 8), rng.random()), rng.randint(0, 8))
+                 for _ in range(rng.randint(1, 5))]  # looked up, nothing found
+        rng.shuffle(rows)
+        estimates, caps = [e for e, _ in rows], [c for _, c in rows]
+        latency = RidgeLatency(a=0.01, b=rng.choice((0.0004, 0.002)), c=1e-7, ridge_tokens=rng.randint(2, 12))
+        cost = cost_for(latency, len(rows), overhead=rng.choice((0.0, 5e-4)))
+        alloc = allocate(estimates, caps, dataclasses.replace(cost))
+        assert all(k == 0 for k, e in zip(alloc.ks, estimates) if not e.gains[0])
+        assert alloc.goodput == pytest.approx(brute_force(estimates, caps, cost), rel=1e-9)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(goodput_module, "_FEW_DRAFTS", -1)  # through numpy
+            assert allocate(estimates, caps, dataclasses.replace(cost)) == alloc
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_zero_gains_past_a_lookups_drafts_change_no_allocation(seed):
     """A lookup's estimate has gains 0 past the drafts it found; ``allocate`` leaves those out of
