@@ -506,6 +506,7 @@ def evaluate_cmd(
     policies: Annotated[str, typer.Option(help="Planner policies compared with every static k.")] = "batch_table,heuristic,roofline,goodput",
     static_ks: Annotated[str, typer.Option(help="Comma-separated static k the policies are compared with (0 = SD off, always run).")] = "0,1,2,3,4,6,8",
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
+    length_spread: Annotated[int, typer.Option(help="Draw each request's output length from --max-tokens +- this (seeded, the same for every decider of a cell; 0: all equal).")] = 0,
     repeats: Annotated[int, typer.Option(help="Runs per cell, deciders interleaved; the report shows medians.")] = 3,
     min_requests: Annotated[int, typer.Option(help="Requests per cell at least (run at concurrency B).")] = 4,
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (default: cached or a fresh quick one).")] = None,
@@ -527,6 +528,10 @@ def evaluate_cmd(
     ks = tuple(sorted({0, *check.int_list(static_ks, "--static-ks", 0)}))  # SD off is every ratio's base
     for value, option in ((max_tokens, "--max-tokens"), (repeats, "--repeats"), (min_requests, "--min-requests")):
         check.at_least(value, 1, option)
+    check.at_least(length_spread, 0, "--length-spread")
+    if length_spread >= max_tokens:
+        check.fail(f"--length-spread {length_spread} must be below --max-tokens {max_tokens} (lengths are "
+                   f"max-tokens +- spread, at least 1)")
     check.model_path(model)
     check.profile_file(profile)
     _check_workload_data(*workload_names)
@@ -558,7 +563,8 @@ def evaluate_cmd(
 
     for p in proposer_names:
         frames.append(evaluate(loaded, prof, proposer=p, workloads=workload_names, batch_sizes=sizes,
-                               static_ks=ks, policies=policy_names, max_tokens=max_tokens, repeats=repeats,
+                               static_ks=ks, policies=policy_names, max_tokens=max_tokens,
+                               length_spread=length_spread, repeats=repeats,
                                min_requests=min_requests, null_control=null_control, clairvoyant=clairvoyant,
                                beliefs=store, on_cell=write_partial))
     path = render_evaluation(pd.concat(frames, ignore_index=True), out, command, measured=measured())

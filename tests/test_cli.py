@@ -110,6 +110,8 @@ ROWS = [
     ("evaluate --static-ks 1,-2", "--static-ks values must be at least 0, got -2"),
     ("evaluate --repeats 0", "--repeats must be at least 1"),
     ("evaluate --min-requests 0", "--min-requests must be at least 1"),
+    ("evaluate --length-spread 64", "--length-spread 64 must be below --max-tokens 64"),
+    ("evaluate --length-spread -1", "--length-spread must be at least 0"),
     ("evaluate --profile {d}/foreign.json", "is corrupted or truncated"),
     ("evaluate --out {d}/notes.txt", "--out {d}/notes.txt is a file"),
     # bench engine / bench spec

@@ -143,6 +143,31 @@ def test_cells_are_lossless_across_deciders():
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_output_lengths_are_equal_or_spread_the_same_way_for_every_decider():
+    from specplan.bench.evaluate import output_lengths
+
+    assert output_lengths(64, 0, 3) == [64, 64, 64]
+    spread = output_lengths(64, 32, 200)
+    assert spread == output_lengths(64, 32, 200)  # seeded: every decider of a cell gets these
+    assert min(spread) >= 32 and max(spread) <= 96 and len(set(spread)) > 20
+    assert output_lengths(64, 32, 200, seed=1) != spread
+    for bad in (-1, 64):
+        with pytest.raises(ValueError, match="spread"):
+            output_lengths(64, bad, 3)
+
+
+def test_a_cell_can_give_each_request_its_own_length():
+    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
+    engine = _engine(loaded, "ngram", max_batch=4, draft_layers=1)
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 5, 6, 5], [7] * 9]
+    off = run_cell(engine, prompts, FixedDecider(0), [3, 9, 5], concurrency=2)
+    assert [len(o) for o in off["outputs"]] == [3, 9, 5] and off["output_tokens"] == 17
+    drafted = run_cell(engine, prompts, FixedDecider(4), [3, 9, 5], concurrency=2)
+    assert drafted["outputs"] == off["outputs"]
+    with pytest.raises(ValueError, match="2 output lengths for 3 prompts"):
+        run_cell(engine, prompts, FixedDecider(0), [3, 9])
+
+
 class _Ids:
     """A workload prompt already tokenized."""
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -89,19 +90,40 @@ def _warm(planner, beliefs):
     return planner
 
 
-def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: int,
+def output_lengths(max_tokens: int, spread: int, num_requests: int, seed: int = 0) -> list[int]:
+    """The output length of each request of a cell: ``max_tokens`` each with ``spread`` 0, else
+    each drawn once, uniformly from max_tokens - spread .. max_tokens + spread (seeded: the same
+    for every decider of a cell, so their outputs stay token for token comparable).
+
+    Why spread them: with every request the same length, SD off runs a closed batch in lockstep
+    (B requests start together, prefill in one step, finish together), which no serving traffic
+    does; speculation moves requests apart, so its cells end in a drain of steps with fewer than
+    B requests (measured at B = 4 on the Q4_1 engine: 17-22 of a cell's ~250 steps ran one
+    request, ~3% of the cell: reports/output-lengths-zen4-s36)."""
+    if spread < 0 or spread >= max_tokens:
+        raise ValueError(f"need 0 <= spread < max_tokens, got spread {spread} with max_tokens {max_tokens}")
+    if not spread:
+        return [max_tokens] * num_requests
+    rng = random.Random(seed)
+    return [rng.randint(max_tokens - spread, max_tokens + spread) for _ in range(num_requests)]
+
+
+def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: int | Sequence[int],
              concurrency: int | None = None, proposer: Proposer | None = None) -> dict:
     """All prompts queued at once, at most ``concurrency`` (default: all) running at a time.
+    ``max_tokens``: every request's output length, or one per prompt (``output_lengths``).
     ``proposer``: a new proposer for this run (default: a fresh one of the engine's kind)."""
     engine.set_decider(decider)
     engine.set_max_num_seqs(concurrency or len(prompts))
     engine.set_proposer(proposer)  # None: a fresh one, so a suffix cache filled by one run never helps the next
     engine.reset_stats()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(lengths) != len(prompts):
+        raise ValueError(f"{len(lengths)} output lengths for {len(prompts)} prompts")
     ids = [_request_id(i) for i in range(len(prompts))]
     t0 = time.perf_counter()
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params)
+    for rid, p, n in zip(ids, prompts, lengths):
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     while engine.has_unfinished:
         engine.step()
     seconds = time.perf_counter() - t0
@@ -168,25 +190,28 @@ def held_out_prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
     return [ids for ids in fresh if tuple(ids) not in used][:n]
 
 
-def clairvoyant_for(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int):
+def clairvoyant_for(engine: LLMEngine, prompts: list[list[int]], max_tokens: int | Sequence[int], concurrency: int):
     """(the prompts' outputs, a maker of clairvoyant deciders for runs of them): one run in which
     every request asks for the engine's max_k drafts each step records what the target accepts
-    (clairvoyant.py ``AcceptanceRecorder``; any proposer, a draft head's too)."""
-    recorder = AcceptanceRecorder(engine.config.spec.max_k, _request_index, len(prompts), max_tokens)
+    (clairvoyant.py ``AcceptanceRecorder``; any proposer, a draft head's too). ``max_tokens``: as
+    ``run_cell``'s."""
+    longest = max_tokens if isinstance(max_tokens, int) else max(max_tokens)
+    recorder = AcceptanceRecorder(engine.config.spec.max_k, _request_index, len(prompts), longest)
     reference = run_cell(engine, prompts, recorder, max_tokens, concurrency=concurrency)["outputs"]
     return reference, lambda: ClairvoyantDecider(recorder.accepted, _request_index)
 
 
 def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", workloads=WORKLOADS,
              batch_sizes=BATCH_SIZES, static_ks=STATIC_KS, policies=POLICIES, max_tokens: int = 64,
-             draft_layers: int = 8, seed: int = 0, repeats: int = 1, min_requests: int = 4,
+             length_spread: int = 0, draft_layers: int = 8, seed: int = 0, repeats: int = 1, min_requests: int = 4,
              null_control: bool = True, clairvoyant: bool = False, progress: bool = True,
              beliefs=None, on_cell: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
     """One row per (workload, B, decider): the median over ``repeats`` of goodput and friends. The
     deciders of a cell run interleaved within each repeat, in an order rotated by one each repeat,
     so machine drift hits them alike. A cell runs max(B, min_requests) requests at concurrency B:
     at B = 1 a single 64-token request would make the cell about one prompt (and about 1.5 s of a
-    noisy machine).
+    noisy machine). Each request generates ``max_tokens`` tokens, or with ``length_spread`` a length
+    drawn once per cell from max_tokens +- length_spread (``output_lengths``).
 
     ``clairvoyant``: also run the clairvoyant decider, which needs each cell's accepted lengths
     first: one unrecorded run per cell at the engine's max_k gives them (and warms the cell up).
@@ -211,11 +236,12 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
             pool = [p.render(loaded.tokenizer) for p in load_workload(w, max(*batch_sizes, min_requests), seed)]
             for b in batch_sizes:
                 prompts = pool[:max(b, min_requests)]
+                lengths = output_lengths(max_tokens, length_spread, len(prompts), seed)
                 reference = None
                 cell_deciders = list(deciders)
                 if clairvoyant:
                     bar.update(task, description=f"{proposer} {w} B={b} reference")
-                    reference, make_clairvoyant = clairvoyant_for(engine, prompts, max_tokens, b)
+                    reference, make_clairvoyant = clairvoyant_for(engine, prompts, lengths, b)
                     bar.advance(task)
                     cell_deciders.append((CLAIRVOYANT, make_clairvoyant))
                 runs: dict[str, list[dict]] = {name: [] for name, _ in cell_deciders}
@@ -223,7 +249,7 @@ def evaluate(loaded: LoadedModel, profile: Profile, proposer: str = "ngram", wor
                     shift = rep % len(cell_deciders)
                     for name, make in cell_deciders[shift:] + cell_deciders[:shift]:
                         bar.update(task, description=f"{proposer} {w} B={b} {name}")
-                        r = run_cell(engine, prompts, make(), max_tokens, concurrency=b)
+                        r = run_cell(engine, prompts, make(), lengths, concurrency=b)
                         outputs = r.pop("outputs")
                         reference = reference or outputs
                         r["lossless"] = outputs == reference
@@ -411,7 +437,9 @@ def render_evaluation(df: pd.DataFrame, out_dir: Path, command: str, complete: b
                                     "the cells finished by then.**", ""]),
              f"Made by `{command}`. Each cell runs max(B, {int(df['requests'].min()) if 'requests' in df else 'B'}) "
              "requests of one workload closed-loop at concurrency B, greedy, the same requests for every "
-             "decider; goodput = output tokens / wall time (prefill included). `static:0` is SD off; the oracle "
+             "decider (each request as long as `--max-tokens` says, or with `--length-spread S` a length drawn "
+             "once per request from max-tokens +- S); goodput = output tokens / wall time (prefill included). "
+             "`static:0` is SD off; the oracle "
              "is the best static k per cell in hindsight. The deciders of a cell run back to back within each "
              "repeat, in a rotated order.", "",
              *([measured, ""] if measured else []),

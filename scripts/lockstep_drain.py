@@ -1,0 +1,143 @@
+"""Why a closed batch of equal-length requests flatters SD off: where each arm's cell spends its time.
+
+With every request ``--max-tokens`` long, SD off runs a closed cell of R requests at concurrency B
+in lockstep: B requests start together, their prompts prefill in one step, they finish together,
+and the next B start. Speculation moves requests apart (each emits 1 to k + 1 tokens a step), so
+prompts prefill one at a time beside the others' decodes, and the cell ends in a drain of steps
+with fewer than B requests, each costing most of a full step for fewer tokens. Serving traffic
+has requests of different lengths, and SD off drains there too.
+
+For each arm (SD off, static k, the goodput planner) and each length mode (every request equal;
+``--length-spread S``: each drawn once from max_tokens +- S, the same in every arm, as
+``specplan evaluate --length-spread``), this runs the cell and splits its steps by how many
+requests decoded and whether a prompt ran, and prints each arm's tokens/s against SD off's in the
+same round (arms rotated each round; tokens identical in every arm; ``control:off`` is SD off run
+again, the null control):
+
+    python scripts/lockstep_drain.py --quantize gguf --profile reports/profile-zen4-q4_1-s34/profile.json \\
+        --batch 4 --workloads gsm8k,mtbench --requests 16 --rounds 4 [--length-spread 32] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+from pathlib import Path
+
+from specplan.bench.evaluate import (_engine, _request_id, add_cell_arguments, cell_prompts, output_lengths,
+                                     rotated_rounds)
+from specplan.engine import FixedDecider, SamplingParams, load_model
+from specplan.planner.from_profile import planner_from_profile
+from specplan.policies import make_policy
+from specplan.profiler.profile import Profile
+
+
+def run(engine, prompts: list[list[int]], lengths: list[int], decider, batch: int) -> dict:
+    """One cell, step by step: tokens/s, and seconds / steps / tokens by (decodes, prompt ran)."""
+    engine.set_decider(decider)
+    engine.set_max_num_seqs(batch)
+    engine.set_proposer(None)
+    engine.reset_stats()
+    ids = [_request_id(i) for i in range(len(prompts))]
+    for rid, p, n in zip(ids, prompts, lengths):
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    parts: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])  # key -> [steps, s, tokens]
+    t0 = time.perf_counter()
+    while engine.has_unfinished:
+        engine.step()
+        r = engine.last_step
+        decodes = len(r.requests)
+        key = "prompt" if r.num_prefill_tokens else ("full" if decodes == batch else "drain")
+        part = parts[key]
+        part[0] += 1
+        part[1] += r.total_s
+        part[2] += sum(x.num_emitted for x in r.requests)
+    wall = time.perf_counter() - t0
+    outputs = [engine.pop_finished(rid)[0].token_ids for rid in ids]
+    return {"tokens_per_s": sum(map(len, outputs)) / wall, "wall_s": wall, "parts": dict(parts), "outputs": outputs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_cell_arguments(ap, proposer="ngram", workloads="gsm8k,mtbench", rounds=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--length-spread", type=int, default=32, help="the spread mode's +- (0: only equal lengths)")
+    ap.add_argument("--static-ks", default="1")
+    ap.add_argument("--out", default=None, help="write every round's numbers here (JSON) and a plot beside it (.png)")
+    ap.add_argument("--replot", default=None, help="only redraw the plot of an --out JSON")
+    args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        return
+    profile = Profile.load(args.profile)
+    loaded = load_model(None, quantize=args.quantize)
+    engine = _engine(loaded, args.proposer, max(args.batch, 32), 8)
+    static = [int(k) for k in args.static_ks.split(",") if k]
+    arms = ["off", *(f"static:{k}" for k in static), "goodput", "control:off"]  # control: SD off again (the null control)
+    modes = {"equal": 0, **({f"spread {args.length_spread}": args.length_spread} if args.length_spread else {})}
+    results = {}
+    for workload in args.workloads.split(","):
+        prompts = cell_prompts(loaded.tokenizer, workload, args.batch, args.requests)
+        for mode, spread in modes.items():
+            lengths = output_lengths(args.max_tokens, spread, len(prompts))
+
+            def one(arm: str) -> dict:
+                decider = (FixedDecider(0) if arm.endswith("off") else FixedDecider(int(arm.split(":")[1])) if arm.startswith("static:")
+                           else planner_from_profile(profile, make_policy("goodput"), proposer=args.proposer, max_k=8))
+                return run(engine, prompts, lengths, decider, args.batch)
+
+            runs = rotated_rounds(arms, args.rounds, one)
+            reference = runs["off"][0]["outputs"]
+            assert all(r["outputs"] == reference for rs in runs.values() for r in rs), "outputs differ between arms"
+            print(f"{workload} B={args.batch}, {len(prompts)} requests, lengths {mode} "
+                  f"({min(lengths)}-{max(lengths)} tokens): median over {args.rounds} rounds")
+            cell = {}
+            for arm, rs in runs.items():
+                ratio = statistics.median(r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(rs, runs["off"]))
+                shares = {key: statistics.median(r["parts"].get(key, [0, 0.0, 0])[1] / r["wall_s"] for r in rs)
+                          for key in ("full", "drain", "prompt")}
+                steps = {key: statistics.median(r["parts"].get(key, [0, 0.0, 0])[0] for r in rs)
+                         for key in ("full", "drain", "prompt")}
+                print(f"  {arm:10s} {ratio:.3f}x off | wall share: all {args.batch} decoding "
+                      f"{shares['full']:.0%} ({steps['full']:.0f} steps), fewer (drain) {shares['drain']:.0%} "
+                      f"({steps['drain']:.0f}), a prompt ran {shares['prompt']:.0%} ({steps['prompt']:.0f})")
+                cell[arm] = {"vs_off": ratio, "wall_share": shares, "steps": steps,
+                             "tokens_per_s": [r["tokens_per_s"] for r in rs]}
+            results[f"{workload} {mode}"] = cell
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        plot(results, Path(args.out).with_suffix(".png"))
+
+
+def plot(results: dict, path: Path) -> None:
+    """One panel per workload: each arm's tokens/s against SD off's, equal lengths beside spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({key.split(" ", 1)[0] for key in results})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 3.6), sharey=True, squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        modes = [key for key in results if key.split(" ", 1)[0] == workload]
+        arms = [a for a in results[modes[0]] if a != "off"]
+        width = 0.8 / len(modes)
+        for m, key in enumerate(modes):
+            values = [results[key][a]["vs_off"] for a in arms]
+            ax.bar([i + m * width for i in range(len(arms))], values, width, label=key.split(" ", 1)[1])
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.axhline(0.98, color="grey", lw=0.8, ls="--")
+        ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(arms))], arms)
+        ax.set_ylim(0.8, 1.1)
+        ax.set_title(workload)
+    axes[0][0].set_ylabel("tokens/s x SD off (median of rounds)")
+    axes[0][-1].legend(title="output lengths")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
