@@ -16,6 +16,7 @@ again, the null control):
 
     python scripts/lockstep_drain.py --quantize gguf --profile reports/profile-zen4-q4_1-s34/profile.json \\
         --batch 4 --workloads gsm8k,mtbench --requests 16 --rounds 4 [--length-spread 32] [--out FILE.json]
+    python scripts/lockstep_drain.py ... --mixed --batch 16 --requests 64 --max-tokens 128 --length-spread 64
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
+from specplan.bench.coldstart import mixed_prompts
 from specplan.bench.evaluate import (_engine, _request_id, add_cell_arguments, cell_prompts, output_lengths,
                                      rotated_rounds)
 from specplan.engine import FixedDecider, SamplingParams, load_model
@@ -66,6 +68,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--length-spread", type=int, default=32, help="the spread mode's +- (0: only equal lengths)")
     ap.add_argument("--static-ks", default="1")
+    ap.add_argument("--mixed", action="store_true",
+                    help="one cell of every workload's prompts interleaved (specplan bench coldstart's mixed batch, "
+                         "--requests of them at concurrency --batch) instead of one cell per workload")
     ap.add_argument("--out", default=None, help="write every round's numbers here (JSON) and a plot beside it (.png)")
     ap.add_argument("--replot", default=None, help="only redraw the plot of an --out JSON")
     args = ap.parse_args()
@@ -79,8 +84,9 @@ def main() -> None:
     arms = ["off", *(f"static:{k}" for k in static), "goodput", "control:off"]  # control: SD off again (the null control)
     modes = {"equal": 0, **({f"spread {args.length_spread}": args.length_spread} if args.length_spread else {})}
     results = {}
-    for workload in args.workloads.split(","):
-        prompts = cell_prompts(loaded.tokenizer, workload, args.batch, args.requests)
+    for workload in ["mixed"] if args.mixed else args.workloads.split(","):
+        prompts = (mixed_prompts(loaded, args.requests) if args.mixed
+                   else cell_prompts(loaded.tokenizer, workload, args.batch, args.requests))
         for mode, spread in modes.items():
             lengths = output_lengths(args.max_tokens, spread, len(prompts))
 
