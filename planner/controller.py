@@ -391,9 +391,9 @@ class Planner:
 
     def _no_drafts(self, rv, t: _Tracked, cap: int) -> RequestState:
         """The state of a request whose lookup found no draft this step: no gains (the engine caps
-        it at 0 drafts too), its last outcome and its observed steps as
-        any request's (the heuristic reads them), and no pooled evidence behind a belief it was
-        not given. Its belief for this step's match bucket is neither made nor read."""
+        it at 0 drafts too), its last outcome and observed steps as any request's (the heuristic
+        reads them), and no pooled evidence behind a belief it was not given. Its belief for this
+        step's match bucket is neither made nor read."""
         acc = t.by_match.get(match_bucket(rv.match_length))
         return _request_state(rv.seq_id, rv.request_id, cap, rv.num_tokens, self._zero_estimate, t.last_outcome,
                               acc.steps_observed if acc is not None else 0, rv.greedy, float("inf"), True)

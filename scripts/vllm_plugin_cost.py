@@ -334,7 +334,7 @@ def main() -> None:
                     help="offline: read this many MiB before every call, as vLLM's forward pass does (64: cold caches)")
     ap.add_argument("--fixed-clocks", action="store_true",
                     help="offline: the plugin and planner read the simulated clock only (the same decisions from run to "
-                         "run and between source trees; every call planned); prints a digest of the drafts")
+                         "run and between source trees; every call planned; the plugin's own phase times then read 0); prints a digest of the drafts")
     ap.add_argument("--cprofile", action="store_true", help="print the top functions (offline: by cumulative time; --vllm: by own time, the calls in vLLM's worker)")
     ap.add_argument("--planner-breakdown", action="store_true",
                     help="offline: the planner's functions' inclusive ms per call (wrapped timers, ~0.3 us each)")

@@ -98,8 +98,9 @@ def output_lengths(max_tokens: int, spread: int, num_requests: int, seed: int = 
     Why spread them: with every request the same length, SD off runs a closed batch in lockstep
     (B requests start together, prefill in one step, finish together), which no serving traffic
     does; speculation moves requests apart, so its cells end in a drain of steps with fewer than
-    B requests (measured at B = 4 on the Q4_1 engine: 17-22 of a cell's ~250 steps ran one
-    request, ~3% of the cell: reports/output-lengths-zen4-s36)."""
+    B requests (measured at B = 4 on the Q4_1 engine: 12-47 of a cell's ~250 steps, and with
+    lengths spread over 32-96 the planner read 0.993x / 1.000x SD off instead of 0.951x / 0.963x:
+    reports/output-lengths-zen4-s36)."""
     if spread < 0 or spread >= max_tokens:
         raise ValueError(f"need 0 <= spread < max_tokens, got spread {spread} with max_tokens {max_tokens}")
     if not spread:
