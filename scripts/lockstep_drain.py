@@ -25,41 +25,30 @@ import argparse
 import collections
 import json
 import statistics
-import time
 from pathlib import Path
 
 from specplan.bench.coldstart import mixed_prompts
-from specplan.bench.evaluate import (_engine, _request_id, add_cell_arguments, cell_prompts, output_lengths,
-                                     rotated_rounds)
-from specplan.engine import FixedDecider, SamplingParams, load_model
+from specplan.bench.evaluate import _engine, add_cell_arguments, cell_prompts, output_lengths, rotated_rounds, run_cell
+from specplan.engine import FixedDecider, load_model
 from specplan.planner.from_profile import planner_from_profile
 from specplan.policies import make_policy
 from specplan.profiler.profile import Profile
 
 
 def run(engine, prompts: list[list[int]], lengths: list[int], decider, batch: int) -> dict:
-    """One cell, step by step: tokens/s, and seconds / steps / tokens by (decodes, prompt ran)."""
-    engine.set_decider(decider)
-    engine.set_max_num_seqs(batch)
-    engine.set_proposer(None)
-    engine.reset_stats()
-    ids = [_request_id(i) for i in range(len(prompts))]
-    for rid, p, n in zip(ids, prompts, lengths):
-        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    parts: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])  # key -> [steps, s, tokens]
-    t0 = time.perf_counter()
-    while engine.has_unfinished:
-        engine.step()
-        r = engine.last_step
-        decodes = len(r.requests)
-        key = "prompt" if r.num_prefill_tokens else ("full" if decodes == batch else "drain")
-        part = parts[key]
+    """One cell (``run_cell``): tokens/s, and seconds / steps / tokens by step kind: all ``batch``
+    requests decoding ("full"), fewer ("drain"), or a prompt ran ("prompt")."""
+    parts: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])  # kind -> [steps, s, tokens]
+
+    def count(record) -> None:
+        kind = "prompt" if record.num_prefill_tokens else ("full" if len(record.requests) == batch else "drain")
+        part = parts[kind]
         part[0] += 1
-        part[1] += r.total_s
-        part[2] += sum(x.num_emitted for x in r.requests)
-    wall = time.perf_counter() - t0
-    outputs = [engine.pop_finished(rid)[0].token_ids for rid in ids]
-    return {"tokens_per_s": sum(map(len, outputs)) / wall, "wall_s": wall, "parts": dict(parts), "outputs": outputs}
+        part[1] += record.total_s
+        part[2] += sum(r.num_emitted for r in record.requests)
+
+    out = run_cell(engine, prompts, decider, lengths, concurrency=batch, on_step=count)
+    return {"tokens_per_s": out["goodput"], "wall_s": out["seconds"], "parts": dict(parts), "outputs": out["outputs"]}
 
 
 def main() -> None:

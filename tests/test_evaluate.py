@@ -162,8 +162,13 @@ def test_a_cell_can_give_each_request_its_own_length():
     prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 5, 6, 5], [7] * 9]
     off = run_cell(engine, prompts, FixedDecider(0), [3, 9, 5], concurrency=2)
     assert [len(o) for o in off["outputs"]] == [3, 9, 5] and off["output_tokens"] == 17
-    drafted = run_cell(engine, prompts, FixedDecider(4), [3, 9, 5], concurrency=2)
+    records = []
+    drafted = run_cell(engine, prompts, FixedDecider(4), [3, 9, 5], concurrency=2, on_step=records.append)
     assert drafted["outputs"] == off["outputs"]
+    # every step's record reached on_step, once: their decodes emitted every output token but each
+    # request's first (sampled right after its prompt, in a step whose record lists no decode for it)
+    assert len({id(r) for r in records}) == len(records) > 0
+    assert sum(rr.num_emitted for r in records for rr in r.requests) == 17 - 3
     with pytest.raises(ValueError, match="2 output lengths for 3 prompts"):
         run_cell(engine, prompts, FixedDecider(0), [3, 9])
 

@@ -41,7 +41,7 @@ from rich.progress import Progress
 
 from specplan.bench.clairvoyant import AcceptanceRecorder, ClairvoyantDecider, Replayed, replay
 from specplan.bench.workloads import load_workload
-from specplan.engine import CacheConfig, EngineConfig, FixedDecider, LLMEngine, LoadedModel, Proposer, SamplingParams, SchedulerConfig, SpecConfig, make_proposer
+from specplan.engine import CacheConfig, EngineConfig, FixedDecider, LLMEngine, LoadedModel, Proposer, SamplingParams, SchedulerConfig, SpecConfig, StepRecord, make_proposer
 from specplan.planner.acceptance import LOOKUP_PROPOSERS
 from specplan.planner.controller import Planner
 from specplan.planner.from_profile import planner_from_profile
@@ -110,10 +110,12 @@ def output_lengths(max_tokens: int, spread: int, num_requests: int, seed: int = 
 
 
 def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: int | Sequence[int],
-             concurrency: int | None = None, proposer: Proposer | None = None) -> dict:
+             concurrency: int | None = None, proposer: Proposer | None = None,
+             on_step: Callable[[StepRecord], None] | None = None) -> dict:
     """All prompts queued at once, at most ``concurrency`` (default: all) running at a time.
     ``max_tokens``: every request's output length, or one per prompt (``output_lengths``).
-    ``proposer``: a new proposer for this run (default: a fresh one of the engine's kind)."""
+    ``proposer``: a new proposer for this run (default: a fresh one of the engine's kind).
+    ``on_step``: called with every step's record (the engine's ``last_step``) as the cell runs."""
     engine.set_decider(decider)
     engine.set_max_num_seqs(concurrency or len(prompts))
     engine.set_proposer(proposer)  # None: a fresh one, so a suffix cache filled by one run never helps the next
@@ -126,7 +128,10 @@ def run_cell(engine: LLMEngine, prompts: list[list[int]], decider, max_tokens: i
     for rid, p, n in zip(ids, prompts, lengths):
         engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     while engine.has_unfinished:
+        previous = engine.last_step
         engine.step()
+        if on_step is not None and engine.last_step is not previous:  # a step with no work records none
+            on_step(engine.last_step)
     seconds = time.perf_counter() - t0
     outputs = [engine.pop_finished(rid)[0].token_ids for rid in ids]
     st = engine.stats
