@@ -63,21 +63,40 @@ def test_cells_time_the_decider():
     import time
 
     class Slow(FixedDecider):
+        """Sleeps in decide() and observe(), and times its own sleeps: a loaded machine oversleeps."""
+
+        def __init__(self, k: int):
+            super().__init__(k)
+            self.slept_s, self.decides, self.observes = 0.0, 0, 0
+
+        def _sleep(self, seconds: float) -> None:
+            t0 = time.perf_counter()
+            time.sleep(seconds)
+            self.slept_s += time.perf_counter() - t0
+
         def decide(self, view):
-            time.sleep(0.002)
+            self.decides += 1
+            self._sleep(0.002)
             return super().decide(view)
 
         def observe(self, record):
-            time.sleep(0.001)
+            self.observes += 1
+            self._sleep(0.001)
 
     loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32))
     engine = _engine(loaded, "ngram", max_batch=2, draft_layers=1)
     prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 5, 6, 5]]
     fixed = run_cell(engine, prompts, FixedDecider(2), max_tokens=8)
-    slow = run_cell(engine, prompts, Slow(2), max_tokens=8)
+    slow_decider = Slow(2)
+    slow = run_cell(engine, prompts, slow_decider, max_tokens=8)
     assert fixed["decider_ms_per_step"] < 1.0
-    # observe() every step (1 ms); decide() on every step with a decode (2 ms): all but the prefill.
-    assert 2.0 <= slow["decider_ms_per_step"] < 3.0 + 1.0
+    # observe() every step; decide() on every step with a decode: all but the prefill.
+    steps = slow_decider.observes
+    assert 0 < slow_decider.decides < steps
+    slept_ms_per_step = 1000.0 * slow_decider.slept_s / steps
+    # The engine's timer wraps every sleep, and adds only the fixed decider's own bookkeeping.
+    assert slept_ms_per_step <= slow["decider_ms_per_step"] < slept_ms_per_step + 1.0
+    assert slow["decider_ms_per_step"] >= 2.0
     assert 0 < slow["decider_share"] < 1
 
 
