@@ -39,21 +39,47 @@ _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # "ok" once load() has run
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str:
+    """The first ``field : value`` of /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags").split())
+
+
+# How the quantised products ask for the weights they are about to stream (quant_linear.cpp,
+# ``kPrefetchBytes`` ahead): "t0" into every cache level, "nta" non-temporal. On AMD Zen a
+# non-temporal line is not kept in L2 or the L3 behind it, so the ~96 MB a Q4_1 step streams no
+# longer flushes the KV cache from them: SD off at B = 1 ran 1.034x the tokens/s of t0 (16 paired
+# rounds, null control 1.003x; 0.99-1.09x over three runs), B = 4 to 32 within the noise (Zen 4
+# EPYC, 2026-11-30, reports/weight-prefetch-zen4-s37). On an Intel Xeon it made B = 1 2.5x slower
+# (2026-11-29), so other CPUs keep t0. SPECPLAN_WEIGHT_PREFETCH=t0|nta overrides the choice.
+WEIGHT_PREFETCH_HINTS = {"t0": "_MM_HINT_T0", "nta": "_MM_HINT_NTA"}
+
+
+def weight_prefetch() -> str:
+    """The weight prefetch hint the kernels are built with here: "nta" on AMD, else "t0"."""
+    forced = os.environ.get("SPECPLAN_WEIGHT_PREFETCH")
+    if forced:
+        if forced not in WEIGHT_PREFETCH_HINTS:
+            raise ValueError(f"SPECPLAN_WEIGHT_PREFETCH must be one of {', '.join(WEIGHT_PREFETCH_HINTS)}, "
+                             f"got {forced!r}")
+        return forced
+    return "nta" if _cpuinfo("vendor_id") == "AuthenticAMD" else "t0"
 
 
 def build_config() -> tuple[str, list[str]]:
-    """(extension name, compiler flags) for this CPU: the widest vector ISA it has, named in the
-    extension (no -march=native, so a cache shared between machines never hands one CPU another's
-    instructions)."""
+    """(extension name, compiler flags) for this CPU: the widest vector ISA it has and the weight
+    prefetch hint (``weight_prefetch``), named in the extension (no -march=native, so a cache
+    shared between machines never hands one CPU another's instructions)."""
     # -fopenmp: at::parallel_for is header code that only runs threads when _OPENMP is defined;
     # the extension then shares torch's already-loaded libgomp (same soname), i.e. its thread pool.
     # -ffp-contract=fast: a*b+c becomes one FMA (ISO C++ mode would otherwise forbid it).
@@ -80,7 +106,10 @@ def build_config() -> tuple[str, list[str]]:
         if forced not in isa_flags:
             raise ValueError(f"SPECPLAN_CPU_ISA must be one of {', '.join(order)}, got {forced!r}")
         isa = order[max(order.index(forced), order.index(isa))]  # never wider than this CPU
-    return f"specplan_cpu_kernels_{isa}", flags + isa_flags[isa]
+    # The hint is part of the name, so each build is cached apart (the ISA stays last).
+    hint = weight_prefetch()
+    flags = flags + [f"-DSPECPLAN_WEIGHT_HINT={WEIGHT_PREFETCH_HINTS[hint]}"]
+    return f"specplan_cpu_kernels_{'nta_' if hint == 'nta' else ''}{isa}", flags + isa_flags[isa]
 
 
 def _ops_registered() -> bool:

@@ -104,10 +104,15 @@ constexpr int64_t kRowsPerQuantTask = 16;
 // after another, so this runs ahead into its next panels. The hardware prefetcher alone left a
 // decode step's products at ~half the bandwidth a plain read reaches on 2 threads (Intel Xeon,
 // AVX-512: 30 layers' Q4_1 projections at M = 1 in 7.1-9.0 ms, with it 5.1-6.9; 4 KB read best
-// of 1, 2 and 4 KB). The hint is T0: NTA, tried so that the weights streamed through would not
-// evict the planner's and scheduler's Python between steps, made the B = 1 closed cells on that
-// VM 2.5x slower (97 vs 250 tok/s SD off, 2026-11-29).
+// of 1, 2 and 4 KB). The hint is chosen per CPU at build time (engine/model/cpu_kernels.py
+// ``weight_prefetch``): NTA on AMD Zen, where the streamed weights then stay out of L2 and L3 and
+// leave the KV cache there (B = 1 ~1.03x the tokens/s on a Zen 4 EPYC, reports/weight-prefetch-zen4-s37);
+// T0 elsewhere: on an Intel Xeon NTA made the B = 1 closed cells 2.5x slower (97 vs 250 tok/s SD
+// off, 2026-11-29).
 constexpr int64_t kPrefetchBytes = 4096;
+#ifndef SPECPLAN_WEIGHT_HINT
+#define SPECPLAN_WEIGHT_HINT _MM_HINT_T0
+#endif
 
 // x quantised per block of 32: q [M, K] int8, d [M, KB] scales, qsum [M, KB] = sum(q), s [M, KB]
 // = d * sum(q) (times -8 for Q4_0, whose "min" is -8 d: then the kernel adds d * s).
@@ -255,7 +260,7 @@ inline void panel_block(const QuantX& xq, int64_t m0, const uint8_t* __restrict 
     const uint8_t* quants = blk + L::scale_bytes;
     const int8_t* xb = xq.q.data() + m0 * K + b * QK;  // row r's block at xb + r * K
     for (int64_t line = 0; line < L::bytes; line += 64) {  // a prefetch never faults, past the end too
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), SPECPLAN_WEIGHT_HINT);
     }
     __m512i part[C][R];
     for (int c = 0; c < C; ++c)
@@ -319,7 +324,7 @@ inline void half_panel_block(const QuantX& xq, int64_t m0, const uint8_t* __rest
     const int8_t* xb = xq.q.data() + m0 * K + b * QK;
     if (h == 0) {
       for (int64_t line = 0; line < L::bytes; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), SPECPLAN_WEIGHT_HINT);
       }
     }
     __m256i isum[R];
