@@ -167,25 +167,35 @@ def quality(variants: dict[str, LoadedModel], ggufs: dict[str, Path], texts: lis
             for name in nll}
 
 
-def roofline_line(loaded: LoadedModel, repeats: int) -> dict:
-    """B = 1, T = 1 decode step of ``loaded`` (median of ``repeats``) against its weight floor."""
-    from specplan.profiler.ceilings import measure_bandwidth
+def roofline_line(loaded: LoadedModel, repeats: int, rounds: int = 5) -> dict:
+    """B = 1, T = 1 decode step of ``loaded`` against its weight floor, in ``rounds`` rounds of
+    (``repeats`` steps, then the read bandwidth), each round's step weighed against the bandwidth
+    measured beside it (the ratio: the rounds' median). The bandwidth is this process's: on the
+    Zen 4 VM the same probe read 35 GB/s in some processes and 61 GB/s in others (2026-11-30,
+    huge pages granted in both), and the step moved far less than the bandwidth between them."""
+    from specplan.profiler.ceilings import BandwidthProbe, measure_bandwidth
     from specplan.profiler.step_timer import StepTimer, timing_engine
 
     engine = timing_engine(loaded, max_batch=1, max_tokens_per_seq=1, context=256)
     timer = StepTimer(engine)
     timer.fill(1, 256)
-    step = timer.time_steps(1, repeats, warmup=2)
     linears = [engine.model.lm_head] + [lin for layer in engine.model.layers
                                        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     params = sum(lin.out_features * _in_features(lin) for lin in linears)
     packed_bytes = sum(lin.packed.numel() for lin in linears if isinstance(lin, QuantLinear))
-    bandwidth = measure_bandwidth()
-    floor_45 = params * FLOOR_BITS_PER_WEIGHT / 8 / bandwidth
-    return {"step_ms": 1e3 * step.median, "step_all_ms": [1e3 * s for s in step.seconds],
-            "weights": params, "bandwidth_gb_s": bandwidth / 1e9,
-            "floor_ms_at_4.5_bits": 1e3 * floor_45, "packed_bytes": packed_bytes,
-            "floor_ms_packed": 1e3 * packed_bytes / bandwidth, "step_over_floor_4.5": step.median / floor_45}
+    floor_bytes = params * FLOOR_BITS_PER_WEIGHT / 8
+    probe = BandwidthProbe("cpu")
+    steps, bandwidths = [], []
+    for _ in range(rounds):
+        steps.append(timer.time_steps(1, repeats, warmup=2).median)
+        bandwidths.append(measure_bandwidth(probe=probe, repeats=3))
+    step, bandwidth = statistics.median(steps), statistics.median(bandwidths)
+    return {"step_ms": 1e3 * step, "step_round_ms": [1e3 * s for s in steps], "weights": params,
+            "bandwidth_gb_s": bandwidth / 1e9, "bandwidth_round_gb_s": [b / 1e9 for b in bandwidths],
+            "floor_ms_at_4.5_bits": 1e3 * floor_bytes / bandwidth, "packed_bytes": packed_bytes,
+            "floor_ms_packed": 1e3 * packed_bytes / bandwidth,
+            "step_over_floor_4.5": statistics.median(s * b / floor_bytes for s, b in zip(steps, bandwidths)),
+            "step_over_floor_packed": statistics.median(s * b / packed_bytes for s, b in zip(steps, bandwidths))}
 
 
 def _in_features(lin) -> int:
@@ -321,7 +331,11 @@ def render_report(r: dict, png: Path) -> str:
         f"{FLOOR_BITS_PER_WEIGHT} bits/weight ({roof['weights'] / 1e6:.0f} M weights, read bandwidth "
         f"{roof['bandwidth_gb_s']:.1f} GB/s) {roof['floor_ms_at_4.5_bits']:.2f} ms: "
         f"{roof['step_over_floor_4.5']:.2f}x the floor; at the bytes it packs "
-        f"({roof['packed_bytes'] / 1e6:.0f} MB) the floor is {roof['floor_ms_packed']:.2f} ms.", "",
+        f"({roof['packed_bytes'] / 1e6:.0f} MB) the floor is {roof['floor_ms_packed']:.2f} ms"
+        + (f" ({roof['step_over_floor_packed']:.2f}x)" if "step_over_floor_packed" in roof else "")
+        + (f". Each of {len(roof['step_round_ms'])} rounds timed the step, then the bandwidth beside it "
+           f"({min(roof['bandwidth_round_gb_s']):.1f}-{max(roof['bandwidth_round_gb_s']):.1f} GB/s); the ratios "
+           "are the rounds' medians." if "step_round_ms" in roof else "."), "",
         f"Perplexity over {next(iter(r['quality'].values()))['tokens']} tokens of XSum articles, "
         "teacher-forced, the same token ids for every engine.", "",
         f"One projection, best of 20 calls, {r['machine'].get('torch_threads')} threads (µs; formats interleaved):", "",
