@@ -112,6 +112,10 @@ def _rope_parameters(hf_config: Any) -> tuple[torch.Tensor, float]:
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int = 512 * 1024**2  # total KV budget (keys and values, all layers)
+    # The cache's element type: the engine's dtype, or float16 (half the bytes a decode step's
+    # attention reads, and twice the tokens in the same budget). None: auto
+    # (model_runner.kv_cache_dtype: float16 for quantised weights on CPU, as llama.cpp's default).
+    kv_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from .decider import FixedDecider, RequestRecord, SpecDecider, StepRecord
 from .model.loader import LoadedModel, load_model
 from .metrics import SpecStats
 from .model.transformer import Model
-from .model_runner import ModelRunner, ScheduledSeq, allocate_kv_cache, kv_bytes_per_block
+from .model_runner import ModelRunner, ScheduledSeq, allocate_kv_cache, kv_bytes_per_block, kv_cache_dtype
 from .proposers.base import Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.chain import ChainProposer
@@ -84,12 +84,13 @@ class LLMEngine:
         block_size = config.cache.block_size
         spec = config.spec
         draft = make_draft_model(spec, self.model, config, draft_loaded) if spec is not None else None
-        per_block = kv_bytes_per_block(loaded.config, block_size, config.dtype)
-        if (draft_kv := draft_kv_config(draft)) is not None:
+        self.kv_dtype = kv_cache_dtype(loaded.config, config.dtype, config.device, config.cache.kv_dtype)
+        per_block = kv_bytes_per_block(loaded.config, block_size, self.kv_dtype)
+        if (draft_kv := draft_kv_config(draft)) is not None:  # a draft's own cache stays in the engine's dtype
             per_block += kv_bytes_per_block(draft_kv, block_size, config.dtype)
         num_blocks = config.cache.kv_cache_bytes // per_block
         self.block_manager = BlockManager(num_blocks, block_size)
-        kv = allocate_kv_cache(loaded.config, num_blocks, block_size, config.dtype, self.model.device)
+        kv = allocate_kv_cache(loaded.config, num_blocks, block_size, self.kv_dtype, self.model.device)
         self.runner = ModelRunner(self.model, kv, block_size)
         self.max_model_len = min(config.scheduler.max_model_len, loaded.config.max_position_embeddings)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)

@@ -13,6 +13,7 @@ from .config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from .decider import SpecDecider
 from .engine import LLMEngine, RequestOutput
 from .model.loader import LoadedModel
+from .model_runner import KV_CACHE_DTYPES
 from .sampling import SamplingParams
 
 
@@ -21,6 +22,8 @@ class LLM:
 
     ``model``: a Hugging Face directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
     ``quantize``: none | gguf | int8 | q4 (load_model's; engine/model/quant.py).
+    ``kv_cache_dtype``: auto | float32 | float16 (model_runner.kv_cache_dtype: auto is float16 for
+    quantised weights on CPU, else the engine's dtype).
     ``speculative_config``: None (no speculation), a SpecConfig, or a dict of its fields, e.g.
     ``{"proposer": "ngram", "k": 4}``. ``decider``: who picks k per request each step (default:
     the fixed k of the config; specplan's planner for adaptive speculation).
@@ -31,11 +34,14 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_model_len: int = 2048, seed: int = 0,
                  speculative_config: SpecConfig | dict | None = None, decider: SpecDecider | None = None,
                  loaded: LoadedModel | None = None, draft_loaded: LoadedModel | None = None,
-                 quantize: str | None = None):
+                 quantize: str | None = None, kv_cache_dtype: str = "auto"):
         spec = SpecConfig(**speculative_config) if isinstance(speculative_config, dict) else speculative_config
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         config = EngineConfig(
             model=model, dtype=dtype, device=device, quantize=quantize, seed=seed, spec=spec,
-            cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes),
+            cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes,
+                              kv_dtype=KV_CACHE_DTYPES.get(kv_cache_dtype)),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
         )

@@ -38,6 +38,32 @@ class ScheduledSeq:
         return max(self.num_logits - 1, 0)
 
 
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}  # what --kv-cache-dtype names
+
+
+def kv_cache_dtype(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                   requested: torch.dtype | None = None) -> torch.dtype:
+    """The KV cache's element type for a model computing in ``dtype``: ``requested`` (the engine's
+    dtype or float16), or with None (auto) float16 where the weights are quantised and the CPU
+    attention kernel reads a float16 cache (head_dim 64 or 128), else ``dtype``.
+
+    Why float16 there: a quantised decode step streams ~6x fewer weight bytes, and the K/V it reads
+    become a large share of the step (SmolLM2-135M: 46 KB a token in float32; at B = 32 and 300
+    tokens of context, more bytes than the Q4_1 weights). llama.cpp keeps its cache in float16 by
+    default too. Float32 weights keep a float32 cache: that engine is the parity reference."""
+    if requested is not None:
+        if requested not in (dtype, torch.float16):
+            raise ValueError(f"KV cache dtype {requested} not supported with {dtype} compute: "
+                             f"use {str(dtype).removeprefix('torch.')} or float16")
+        return requested
+    from .model.attention_cpu import half_cache_supported, load_kernel
+
+    if (config.quantization and torch.device(device).type == "cpu" and dtype == torch.float32
+            and half_cache_supported(config.head_dim) and load_kernel() is not None):
+        return torch.float16
+    return dtype
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize

@@ -60,15 +60,18 @@ def _matmul(n: int, d_in: int, d_out: int, itemsize: int, bias: bool = False,
 
 
 def layer_costs(cfg: ModelConfig, query_lens: list[int], context_lens: list[int],
-                itemsize: int = 4, weight_itemsize: float | None = None) -> dict[str, Cost]:
+                itemsize: int = 4, weight_itemsize: float | None = None, kv_itemsize: float | None = None
+                ) -> dict[str, Cost]:
     """Cost of one decoder layer by component. context_lens[i]: keys sequence i attends to
-    (including its own new tokens)."""
+    (including its own new tokens). ``kv_itemsize``: bytes of a KV entry when the cache is stored
+    narrower than the activations (a float16 cache: 2; None: ``itemsize``)."""
     n = sum(query_lens)
     h, d = cfg.hidden_size, cfg.head_dim
     q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
     attn_flops = sum(4.0 * cfg.num_heads * d * t * l for t, l in zip(query_lens, context_lens))
-    kv_read = sum(2.0 * kv_size * l for l in context_lens) * itemsize
-    kv_write = 2.0 * kv_size * n * itemsize
+    kv_item = itemsize if kv_itemsize is None else kv_itemsize
+    kv_read = sum(2.0 * kv_size * l for l in context_lens) * kv_item
+    kv_write = 2.0 * kv_size * n * kv_item
     return {
         "norms": Cost(flops=2 * 4.0 * n * h, weight_bytes=2.0 * h * itemsize,
                       activation_bytes=2 * 2.0 * n * h * itemsize),
@@ -82,12 +85,13 @@ def layer_costs(cfg: ModelConfig, query_lens: list[int], context_lens: list[int]
 
 
 def step_costs(cfg: ModelConfig, query_lens: list[int], context_lens: list[int], logits_rows: int | None = None,
-               itemsize: int = 4, weight_itemsize: float | None = None) -> dict[str, Cost]:
+               itemsize: int = 4, weight_itemsize: float | None = None, kv_itemsize: float | None = None
+               ) -> dict[str, Cost]:
     """Cost of a whole step by component (all layers summed), plus embedding and LM head."""
     n = sum(query_lens)
     rows = len(query_lens) if logits_rows is None else logits_rows
     costs = {name: c * cfg.num_layers
-             for name, c in layer_costs(cfg, query_lens, context_lens, itemsize, weight_itemsize).items()}
+             for name, c in layer_costs(cfg, query_lens, context_lens, itemsize, weight_itemsize, kv_itemsize).items()}
     # The embedding lookup reads only N rows of the table; a tied LM head re-reads the whole table.
     costs["embedding"] = Cost(weight_bytes=float(n * cfg.hidden_size) * itemsize,
                               activation_bytes=float(n * cfg.hidden_size) * itemsize)
@@ -97,30 +101,38 @@ def step_costs(cfg: ModelConfig, query_lens: list[int], context_lens: list[int],
 
 
 def step_cost(cfg: ModelConfig, query_lens: list[int], context_lens: list[int], logits_rows: int | None = None,
-              itemsize: int = 4, weight_itemsize: float | None = None) -> Cost:
+              itemsize: int = 4, weight_itemsize: float | None = None, kv_itemsize: float | None = None) -> Cost:
     total = Cost()
-    for c in step_costs(cfg, query_lens, context_lens, logits_rows, itemsize, weight_itemsize).values():
+    for c in step_costs(cfg, query_lens, context_lens, logits_rows, itemsize, weight_itemsize, kv_itemsize).values():
         total = total + c
     return total
 
 
 def decode_step_cost(cfg: ModelConfig, batch_size: int, tokens_per_seq: int, context: int,
-                     itemsize: int = 4, weight_itemsize: float | None = None, drafting: int | None = None) -> Cost:
+                     itemsize: int = 4, weight_itemsize: float | None = None, drafting: int | None = None,
+                     kv_itemsize: float | None = None) -> Cost:
     """B sequences over ``context`` earlier tokens, each verifying T tokens (1 + k), or (``drafting``)
     the first ``drafting`` of them T tokens and the rest 1: logits on every row."""
     drafting = batch_size if drafting is None else min(drafting, batch_size)
     query_lens = [tokens_per_seq] * drafting + [1] * (batch_size - drafting)
     return step_cost(cfg, query_lens, [context + q for q in query_lens], logits_rows=sum(query_lens),
-                     itemsize=itemsize, weight_itemsize=weight_itemsize)
+                     itemsize=itemsize, weight_itemsize=weight_itemsize, kv_itemsize=kv_itemsize)
 
 
-def grid_row_cost(cfg: ModelConfig, row, weight_itemsize: float | None = None) -> Cost:
+def kv_entry_bytes(kv_cache: str) -> float | None:
+    """Bytes of a KV entry for a fingerprint's ``kv_cache`` name when it is narrower than the
+    activations (float16: 2); None: the activations' itemsize (float32, or a profile from before
+    the float16 cache)."""
+    return {"float16": 2.0, "bfloat16": 2.0}.get(kv_cache)
+
+
+def grid_row_cost(cfg: ModelConfig, row, weight_itemsize: float | None = None, kv_itemsize: float | None = None) -> Cost:
     """``decode_step_cost`` of one row of a measured step grid (profiler/run.py ``measure_grid``):
     batch_size, tokens_per_seq, context and, where only some requests drafted, drafting (grids
     from before that column, and vLLM's, are all uniform)."""
     drafting = getattr(row, "drafting", None)
     return decode_step_cost(cfg, int(row.batch_size), int(row.tokens_per_seq), int(row.context),
-                            weight_itemsize=weight_itemsize,
+                            weight_itemsize=weight_itemsize, kv_itemsize=kv_itemsize,
                             drafting=None if drafting is None or drafting != drafting else int(drafting))  # NaN: a row from a grid without it
 
 

@@ -34,6 +34,9 @@ class Fingerprint(BaseModel):
     torch_version: str
     cpu: str
     kernels: str = "unknown"  # engine.cpu_kernels.build_id() on CPU; profiles from before it: "unknown"
+    # The KV cache's element type (engine/model_runner.py kv_cache_dtype); profiles from before the
+    # float16 cache: "unknown" (they were timed over float32).
+    kv_cache: str = "unknown"
 
     def mismatches(self, other: "Fingerprint") -> list[str]:
         """Fields that differ in a way that makes timings invalid (torch version/CPU/kernels: warn only)."""
@@ -177,13 +180,18 @@ def model_config_hash(model_config) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def fingerprint(model_config, dtype: torch.dtype, device: str) -> Fingerprint:
+def fingerprint(model_config, dtype: torch.dtype, device: str, kv_dtype: torch.dtype | None = None) -> Fingerprint:
+    """What a profile was measured on. ``kv_dtype``: the KV cache's as requested (None: the
+    engine's auto choice for this model, which is what the fingerprint records)."""
+    from specplan.engine.model_runner import kv_cache_dtype
+
     # A quantized engine is another machine: its own profile (dtype "float32-q4_1+q8_0").
     quant = getattr(model_config, "quantization", None)
     dtype_name = str(dtype).removeprefix("torch.") + (f"-{quant}" if quant else "")
+    kv = str(kv_cache_dtype(model_config, dtype, device, kv_dtype)).removeprefix("torch.")
     return Fingerprint(model=model_config.name, model_config_hash=model_config_hash(model_config),
                        dtype=dtype_name, device=str(device), threads=torch.get_num_threads(),
-                       torch_version=torch.__version__, cpu=cpu_name(), kernels=_kernels(device))
+                       torch_version=torch.__version__, cpu=cpu_name(), kernels=_kernels(device), kv_cache=kv)
 
 
 def _kernels(device: str) -> str:
@@ -200,7 +208,7 @@ def check_matches(profile: Profile, current: Fingerprint, path: Path | str) -> l
         raise ProfileError(f"profile {path} does not match what is being served ({detail}); "
                            f"make a fresh one with `specplan profile --quick`")
     warnings = []
-    for f in ("torch_version", "cpu", "kernels"):
+    for f in ("torch_version", "cpu", "kernels", "kv_cache"):
         if getattr(profile.fingerprint, f) != getattr(current, f):
             warnings.append(f"profile {path} was measured with {f} {getattr(profile.fingerprint, f)!r}, "
                             f"now {getattr(current, f)!r}: timings may be off (the planner corrects drift online)")

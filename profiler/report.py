@@ -9,7 +9,7 @@ import pandas as pd
 
 from specplan.engine import LoadedModel
 
-from .cost_model import decode_step_cost, grid_row_cost, layer_costs
+from .cost_model import decode_step_cost, grid_row_cost, kv_entry_bytes, layer_costs
 from .latency_model import StepShape
 from .machine import describe, machine_info
 from .profile import Profile
@@ -54,7 +54,8 @@ def _lone_draft_lines(lone: pd.DataFrame, uniform: pd.DataFrame) -> list[str]:
 def _ridge_crossing(profile: Profile, loaded: LoadedModel, context: int, weight_itemsize: float) -> int | None:
     """Smallest tokens-per-step (B*T, T=1) whose analytic intensity passes the ridge."""
     for tokens in range(1, 4097):
-        cost = decode_step_cost(loaded.config, tokens, 1, context, weight_itemsize=weight_itemsize)
+        cost = decode_step_cost(loaded.config, tokens, 1, context, weight_itemsize=weight_itemsize,
+                                kv_itemsize=kv_entry_bytes(profile.fingerprint.kv_cache))
         if cost.intensity > profile.ceilings.ridge:
             return tokens
     return None
@@ -77,7 +78,8 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
     cfg = loaded.config
     w_item = weight_itemsize if weight_itemsize is not None else loaded.bytes_per_weight()
     g = grid.copy()
-    costs = [grid_row_cost(cfg, r, weight_itemsize=w_item) for r in g.itertuples()]
+    kv_item = kv_entry_bytes(profile.fingerprint.kv_cache)  # a float16 cache: 2 bytes an entry
+    costs = [grid_row_cost(cfg, r, weight_itemsize=w_item, kv_itemsize=kv_item) for r in g.itertuples()]
     g["intensity"] = [x.intensity for x in costs]
     g["gflops"] = [x.flops / s / 1e9 for x, s in zip(costs, g["seconds"])]
     g["floor_ms"] = [1e3 * x.roofline_seconds(c.peak_flops, c.bandwidth) for x in costs]
@@ -127,7 +129,8 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
     lines = [
         f"# Profile: {loaded.name} on {profile.fingerprint.device} ({profile.fingerprint.cpu})", "",
         f"Made by `{command}` in {seconds:.0f} s ({'quick' if quick else 'full'} grid, {f.num_cells} cells; "
-        f"{profile.fingerprint.threads} threads, torch {profile.fingerprint.torch_version}, {profile.fingerprint.dtype})"
+        f"{profile.fingerprint.threads} threads, torch {profile.fingerprint.torch_version}, {profile.fingerprint.dtype}, "
+        f"KV cache {profile.fingerprint.kv_cache})"
         + ("; of the time: " + ", ".join(f"{name} {s:.0f} s" for name, s in phases.items()) if phases else "") + ".",
         "", f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. {describe(machine_info())}",
         "", "## Ceilings", "",
@@ -160,7 +163,7 @@ def render_profile_report(profile: Profile, grid: pd.DataFrame, loaded: LoadedMo
               "| shape | component | MFLOP | weight MB | KV MB | act. MB | FLOP/byte | bound |",
               "|---|---|---|---|---|---|---|---|"]
     for b, t in ((1, 1), (1, 9), (32, 1), (32, 9)):
-        for name, x in layer_costs(cfg, [t] * b, [256 + t] * b, weight_itemsize=w_item).items():
+        for name, x in layer_costs(cfg, [t] * b, [256 + t] * b, weight_itemsize=w_item, kv_itemsize=kv_item).items():
             lines.append(f"| B={b}, T={t} | {name} | {x.flops / 1e6:.1f} | {x.weight_bytes / 1e6:.2f} | "
                          f"{x.kv_bytes / 1e6:.2f} | {x.activation_bytes / 1e6:.2f} | {x.intensity:.1f} | "
                          f"{x.bound(c.ridge)} |")

@@ -24,7 +24,7 @@ from specplan.engine.model_runner import ModelRunner, ScheduledSeq
 from specplan.engine.proposers.factory import HEAD_PROPOSERS
 
 from .ceilings import Ceilings, measure_ceilings
-from .cost_model import grid_row_cost, layer_costs, step_costs, weight_bytes
+from .cost_model import grid_row_cost, kv_entry_bytes, layer_costs, step_costs, weight_bytes
 from .step_timer import timing_engine
 from .fit import fit_grid, mape
 from .profile import CeilingsModel, CostConstants, DraftCost, Fingerprint, FitError, Profile, fingerprint
@@ -62,14 +62,14 @@ class GridSpec:
         return GridSpec((1, 2, 4, 8, 16, 32, 64), tuple(range(1, 10)), (128, 512, 1024), repeats=5, lone_drafts=(1, 3))
 
 
-def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8, progress: bool = True
-                 ) -> tuple[pd.DataFrame, pd.DataFrame]:
+def measure_grid(loaded: LoadedModel, spec: GridSpec, layer_skip_layers: int = 8, progress: bool = True,
+                 kv_dtype: torch.dtype | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Step times over the grid (one row per cell: column ``drafting`` says how many of its
     ``batch_size`` requests verified ``tokens_per_seq`` tokens, the rest 1), and the per-round time
     at each B of the layer-skip draft and (column ``head_seconds``, when one ships for the model)
     of the EAGLE-3 head."""
     widest = max(t for b in spec.batch_sizes for t, _ in spec.widths(b))
-    engine = timing_engine(loaded, max(spec.batch_sizes), widest, max(spec.contexts))
+    engine = timing_engine(loaded, max(spec.batch_sizes), widest, max(spec.contexts), kv_dtype)
     timer = StepTimer(engine)
     draft = ModelRunner(engine.model.truncated(layer_skip_layers),
                         engine.runner.kv_cache[:layer_skip_layers], engine.block_manager.block_size)
@@ -229,7 +229,8 @@ def _fit_draft_rounds(drafts: pd.DataFrame, column: str = "seconds") -> DraftCos
 
 def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, drafts: pd.DataFrame | None,
                   draft_costs: dict[str, DraftCost], dtype: torch.dtype, device: str,
-                  fingerprint_override: Fingerprint | None = None, weight_itemsize: float | None = None) -> Profile:
+                  fingerprint_override: Fingerprint | None = None, weight_itemsize: float | None = None,
+                  kv_dtype: torch.dtype | None = None) -> Profile:
     """The profile of a measured grid. ``drafts``: the layer-skip draft's rounds (None: another
     engine's grid, profiler/vllm_timer.py); ``fingerprint_override``: what was measured, when it
     is not specplan's engine here; ``weight_itemsize``: bytes a step streams per weight, when the
@@ -238,8 +239,10 @@ def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, d
     fitted = fit_grid(grid)
     secs = grid["seconds"].tolist()
     w_item = weight_itemsize if weight_itemsize is not None else loaded.bytes_per_weight()  # 4 for float32 weights; 0.625 for Q4_1 blocks
-    roofline = [grid_row_cost(cfg, r, weight_itemsize=w_item).roofline_seconds(ceilings.peak_flops, ceilings.bandwidth)
-                for r in grid.itertuples()]
+    fp = fingerprint_override or fingerprint(cfg, dtype, device, kv_dtype)
+    kv_item = kv_entry_bytes(fp.kv_cache)  # 2 for a float16 cache; None: 4, as the activations
+    roofline = [grid_row_cost(cfg, r, weight_itemsize=w_item, kv_itemsize=kv_item
+                              ).roofline_seconds(ceilings.peak_flops, ceilings.bandwidth) for r in grid.itertuples()]
     one = layer_costs(cfg, [1], [1])
     flops_per_token = sum(c.flops for k, c in one.items() if k != "attention") * cfg.num_layers
     costs = dict(draft_costs)
@@ -248,12 +251,12 @@ def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, d
         if "head_seconds" in drafts:
             costs.update(dict.fromkeys(HEAD_PROPOSERS, _fit_draft_rounds(drafts, "head_seconds")))
     return Profile(
-        fingerprint=fingerprint_override or fingerprint(cfg, dtype, device),
+        fingerprint=fp,
         ceilings=CeilingsModel(peak_flops=ceilings.peak_flops, bandwidth=ceilings.bandwidth, ridge=ceilings.ridge),
         cost=CostConstants(
             weight_bytes=weight_bytes(cfg, weight_itemsize=w_item), flops_per_token=flops_per_token,
             lm_head_flops_per_row=2.0 * cfg.hidden_size * cfg.vocab_size,
-            kv_bytes_per_token=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
+            kv_bytes_per_token=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (kv_item or 4),
             attention_flops_per_token_pair=4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers),
         latency_model=fitted.model.to_dict(),
         fit=FitError(heldout_mape=fitted.heldout_mape, train_mape=fitted.train_mape,
@@ -265,14 +268,17 @@ def build_profile(loaded: LoadedModel, ceilings: Ceilings, grid: pd.DataFrame, d
 
 def run_profile(model: str | None = None, quick: bool = True, out: Path | None = None,
                 report_dir: Path = Path("reports"), progress: bool = True, layer_skip_layers: int = 8,
-                command: str = "specplan profile", loaded: LoadedModel | None = None) -> tuple[Profile, Path, Path]:
-    """Measure, fit and write; returns (profile, profile path, report path)."""
+                command: str = "specplan profile", loaded: LoadedModel | None = None,
+                kv_dtype: torch.dtype | None = None) -> tuple[Profile, Path, Path]:
+    """Measure, fit and write; returns (profile, profile path, report path). ``kv_dtype``: the
+    engine's KV cache (None: its auto choice, as serving makes it)."""
     t0 = time.perf_counter()
     loaded = loaded or load_model(model)
     ceilings = measure_ceilings(weight_formats=loaded.weight_formats())
     spec = GridSpec.quick() if quick else GridSpec.full()
-    grid, drafts = measure_grid(loaded, spec, layer_skip_layers, progress)
-    profile = build_profile(loaded, ceilings, grid, drafts, _measure_cheap_proposers(), torch.float32, "cpu")
+    grid, drafts = measure_grid(loaded, spec, layer_skip_layers, progress, kv_dtype)
+    profile = build_profile(loaded, ceilings, grid, drafts, _measure_cheap_proposers(), torch.float32, "cpu",
+                            kv_dtype=kv_dtype)
     slug = f"{loaded.name}-{profile.fingerprint.device}".replace("/", "_")
     out = out or default_profile_path(profile.fingerprint)
     grid_path = out.with_suffix(".grid.parquet")
@@ -292,8 +298,10 @@ def profile_cache_dir() -> Path:
 
 
 def default_profile_path(fp) -> Path:
-    # The kernels are in the name: a new engine build measures a fresh profile instead of reusing one.
-    return profile_cache_dir() / f"{fp.model}-{fp.model_config_hash}-{fp.device}-{fp.dtype}-t{fp.threads}-{fp.kernels}.json"
+    # The kernels are in the name: a new engine build measures a fresh profile instead of reusing
+    # one; so is a KV cache narrower than the weights' compute (a float16 one: "-kv_float16").
+    kv = f"-kv_{fp.kv_cache}" if fp.kv_cache not in ("unknown", fp.dtype.split("-")[0]) else ""
+    return profile_cache_dir() / f"{fp.model}-{fp.model_config_hash}-{fp.device}-{fp.dtype}{kv}-t{fp.threads}-{fp.kernels}.json"
 
 
 def default_beliefs_path(fp) -> Path:

@@ -14,6 +14,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import torch
+
 from specplan.engine import CacheConfig, DraftTokens, EngineConfig, LLMEngine, LoadedModel, SamplingParams, SchedulerConfig, SpecConfig, StepRecord, StepView
 
 
@@ -118,12 +120,15 @@ class StepTimer:
             self.engine.abort_request(seq.request_id)
 
 
-def timing_engine(loaded: LoadedModel, max_batch: int, max_tokens_per_seq: int, context: int) -> LLMEngine:
-    """An engine sized for the grid: room for every sequence's context and verify width."""
+def timing_engine(loaded: LoadedModel, max_batch: int, max_tokens_per_seq: int, context: int,
+                  kv_dtype: torch.dtype | None = None) -> LLMEngine:
+    """An engine sized for the grid: room for every sequence's context and verify width.
+    ``kv_dtype``: the KV cache's (None: the engine's auto choice, as serving makes it)."""
     per_seq = context + 64 * max_tokens_per_seq
     kv_bytes = 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 4
     config = EngineConfig(
-        cache=CacheConfig(block_size=16, kv_cache_bytes=int(max_batch * per_seq * kv_bytes * 1.2) + 2**24),
+        cache=CacheConfig(block_size=16, kv_cache_bytes=int(max_batch * per_seq * kv_bytes * 1.2) + 2**24,
+                          kv_dtype=kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * max_tokens_per_seq),
                                   max_model_len=per_seq + 64),
         spec=SpecConfig(proposer="ngram", k=0, max_k=max_tokens_per_seq - 1),

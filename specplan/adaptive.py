@@ -17,14 +17,16 @@ from specplan.profiler.run import default_beliefs_path, default_profile_path, pr
 
 
 def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: torch.dtype = torch.float32,
-                         device: str = "cpu", proposers: Iterable[str] = ()) -> Profile:
+                         device: str = "cpu", proposers: Iterable[str] = (), kv_dtype: torch.dtype | None = None
+                         ) -> Profile:
     """The given profile (must match), else the cached one for this fingerprint, else a fresh quick one.
     ``proposers``: the ones about to run; a draft head's pass cost missing from the profile (one
     measured before the profiler timed heads) is measured now and, in the cached profile, kept.
+    ``kv_dtype``: the KV cache the engine runs with (None: its auto choice).
 
     Raises ProfileError (one line) for a missing, corrupted or mismatched --profile file.
     """
-    current = fingerprint(loaded.config, dtype, device)
+    current = fingerprint(loaded.config, dtype, device, kv_dtype)
     if profile_path is not None:
         profile = Profile.load(profile_path)
         for warning in check_matches(profile, current, profile_path):
@@ -47,7 +49,7 @@ def load_or_make_profile(loaded: LoadedModel, profile_path: str | None, dtype: t
     typer.secho("[no profile for this model and machine yet: measuring a quick one (a few minutes; it is cached for later runs)]", err=True,
                 fg=typer.colors.BRIGHT_BLACK)
     # The report goes beside the cached profile: serving must not rewrite the repository's reports/.
-    profile, path, report = run_profile(loaded=loaded, quick=True, report_dir=profile_cache_dir())
+    profile, path, report = run_profile(loaded=loaded, quick=True, report_dir=profile_cache_dir(), kv_dtype=kv_dtype)
     typer.secho(f"[profile written to {path}; report {report}]", err=True, fg=typer.colors.BRIGHT_BLACK)
     busy = profile.fit.busy_machine_warning()
     if busy:
@@ -77,29 +79,30 @@ def _warn(message: str) -> None:
 
 
 def belief_store(loaded: LoadedModel, profile: Profile | None, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", path=None):
+                 device: str = "cpu", path=None, kv_dtype: torch.dtype | None = None):
     """The beliefs file for this model and machine (``path``, default: beside the cached profile,
     same key), tied to ``profile``'s latency model; a bad file is named in one warning when first read."""
     from specplan.planner.beliefs import BeliefStore, latency_id
 
-    current = fingerprint(loaded.config, dtype, device)
+    current = fingerprint(loaded.config, dtype, device, kv_dtype)
     return BeliefStore(path or default_beliefs_path(current), identity={"model": current.model,
                                                                 "model_config_hash": current.model_config_hash},
                        latency=latency_id(profile.latency_model) if profile is not None else None, warn=_warn)
 
 
 def make_planner(loaded: LoadedModel, *, proposer: str, policy: str | None, profile_path: str | None,
-                 sla_itl_ms: float | None, max_k: int, beliefs: bool = True):
+                 sla_itl_ms: float | None, max_k: int, beliefs: bool = True, kv_dtype: torch.dtype | None = None):
     """(the planner, its belief store or None): with ``beliefs``, the planner starts from what
-    earlier runs saved for this model and machine; the caller saves it back (``store.save``)."""
+    earlier runs saved for this model and machine; the caller saves it back (``store.save``).
+    ``kv_dtype``: the engine's KV cache (None: its auto choice), part of the profile's key."""
     from specplan.planner.from_profile import planner_from_profile
     from specplan.policies import make_policy
 
     rule = make_policy(policy or "goodput")  # ValueError for a bad name before a profile is measured
-    profile = load_or_make_profile(loaded, profile_path, proposers=(proposer,))
+    profile = load_or_make_profile(loaded, profile_path, proposers=(proposer,), kv_dtype=kv_dtype)
     planner = planner_from_profile(profile, rule, proposer=proposer, max_k=max_k,
                                    sla_itl_s=sla_itl_ms / 1000 if sla_itl_ms is not None else None)
-    store = belief_store(loaded, profile) if beliefs else None
+    store = belief_store(loaded, profile, kv_dtype=kv_dtype) if beliefs else None
     if store is not None:
         restored = store.load_into(planner)
         if restored.pools or restored.step_cost:

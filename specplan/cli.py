@@ -12,7 +12,7 @@ import typer
 
 from specplan import cli_checks as check
 from specplan.bench.cli import bench_app
-from specplan.cli_checks import Quantize, fail, reports_errors
+from specplan.cli_checks import KvCacheDtype, Quantize, fail, reports_errors
 
 # Engine sizing options shared by `serve` and `sweep`.
 MaxNumSeqs = Annotated[int, typer.Option(help="Sequences in the running batch at once.")]
@@ -90,6 +90,7 @@ def generate(
     profile: Annotated[Optional[str], typer.Option(help="Latency profile JSON (with --adaptive; default: cached or a fresh quick one).")] = None,
     sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target in ms (with --adaptive).")] = None,
     quantize: Quantize = "none",
+    kv_cache_dtype: KvCacheDtype = "auto",
     beliefs: Beliefs = True,
 ) -> None:
     """Generate text for each prompt with the built-in engine."""
@@ -104,6 +105,7 @@ def generate(
         fail("--stop got an empty string; pass the text to stop at, e.g. --stop '\\n\\n'")
     _check_speculation(proposer, spec_k, None, draft_model, draft_layers, model, draft_head)
     _check_adaptive(adaptive, policy, profile, sla_itl_ms)
+    kv_dtype = check.kv_cache_dtype(kv_cache_dtype)
     from specplan.engine import LLM, SamplingParams, load_model
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -121,8 +123,8 @@ def generate(
         from specplan.adaptive import make_planner
 
         decider, store = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
-                                      sla_itl_ms=sla_itl_ms, max_k=max(spec_k, 8), beliefs=beliefs)
-    llm = LLM(speculative_config=spec, decider=decider, loaded=loaded)
+                                      sla_itl_ms=sla_itl_ms, max_k=max(spec_k, 8), beliefs=beliefs, kv_dtype=kv_dtype)
+    llm = LLM(speculative_config=spec, decider=decider, loaded=loaded, kv_cache_dtype=kv_cache_dtype)
     load_s = time.perf_counter() - t0
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts] if chat else prompts
     t0 = time.perf_counter()
@@ -182,6 +184,7 @@ def serve(
     sla_itl_ms: Annotated[Optional[float], typer.Option(help="ITL target in ms (with --adaptive).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     quantize: Quantize = "none",
+    kv_cache_dtype: KvCacheDtype = "auto",
     beliefs: Beliefs = True,
     engine: Annotated[str, typer.Option(help="specplan (the built-in engine) or vllm (vLLM's OpenAI server with specplan's plugin; options specplan does not know go to `vllm serve`).")] = "specplan",
 ) -> None:
@@ -190,6 +193,8 @@ def serve(
     if engine == "vllm":
         if quantize != "none":
             fail("--quantize is for the built-in engine; pass vLLM its own --quantization after --engine vllm")
+        if kv_cache_dtype != "auto":
+            fail("--kv-cache-dtype here is the built-in engine's; pass vLLM its own --kv-cache-dtype after --engine vllm")
         _serve_vllm(ctx.args, model=model, proposer=proposer, spec_k=spec_k, max_k=max_k, host=host, port=port,
                     served_model_name=served_model_name, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, adaptive=adaptive,
@@ -205,6 +210,7 @@ def serve(
     check.at_least(max_queued, 0, "--max-queued")
     check.choice(log_level, LOG_LEVELS, "--log-level")
     check.listen_address(host, port)
+    kv_dtype = check.kv_cache_dtype(kv_cache_dtype)
     from specplan.engine import load_model
     from specplan.engine.server import build_engine
     from specplan.engine.server.app import serve as run_server
@@ -217,19 +223,21 @@ def serve(
 
         proposer = proposer or "ngram"
         decider, store = make_planner(loaded, proposer=proposer, policy=policy, profile_path=profile,
-                                      sla_itl_ms=sla_itl_ms, max_k=max_k if max_k is not None else 8, beliefs=beliefs)
+                                      sla_itl_ms=sla_itl_ms, max_k=max_k if max_k is not None else 8, beliefs=beliefs,
+                                      kv_dtype=kv_dtype)
         if store is not None:
             decider = saver = SavesBeliefs(decider, store)  # every minute, and at shutdown below
     engine = build_engine(model, proposer=proposer, spec_k=spec_k, max_k=max_k, draft_model=draft_model,
                           draft_layers=draft_layers, draft_head=draft_head, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          kv_cache_bytes=kv_cache_mib * 1024**2, decider=decider, loaded=loaded)
+                          kv_cache_bytes=kv_cache_mib * 1024**2, decider=decider, loaded=loaded, kv_dtype=kv_dtype)
     spec_line = f"{proposer} k={spec_k}" if proposer else "no speculation"
     if adaptive:
         spec_line = f"{proposer}, adaptive ({policy or 'goodput'} policy" + (
             f", ITL SLA {sla_itl_ms:g} ms)" if sla_itl_ms else ")")
     typer.secho(f"[{engine.model_name}: loaded in {time.perf_counter() - t0:.1f}s; {spec_line}; "
-                f"{engine.block_manager.num_blocks} KV blocks; http://{host}:{port}/v1]",
+                f"{engine.block_manager.num_blocks} KV blocks ({str(engine.kv_dtype).removeprefix('torch.')}); "
+                f"http://{host}:{port}/v1]",
                 err=True, fg=typer.colors.BRIGHT_BLACK)
     try:
         run_server(host=host, port=port, served_model_name=served_model_name, max_queued=max_queued,
@@ -309,6 +317,7 @@ def profile_cmd(
     report_dir: Annotated[Path, typer.Option(help="Where the Markdown report and plots go.")] = Path("reports"),
     draft_layers: Annotated[int, typer.Option(help="Layer-skip draft depth whose cost is measured.")] = 8,
     quantize: Quantize = "none",
+    kv_cache_dtype: KvCacheDtype = "auto",
     reset_beliefs: Annotated[bool, typer.Option("--reset-beliefs", help="Forget what the planner learned for this model and machine (its saved beliefs) and exit; measures nothing.")] = False,
     engine: Annotated[str, typer.Option(help="specplan (the built-in engine) or vllm (vLLM's own steps, forced through specplan's timing drafter; run from vLLM's environment).")] = "specplan",
     refit: Annotated[Optional[Path], typer.Option(help="Fit the latency model of this profile again from the grid it measured (this version's fit), write it to --out (default: in place) and exit; times nothing.")] = None,
@@ -335,11 +344,12 @@ def profile_cmd(
         return
     check.choice(engine, ENGINES, "--engine")
     check.model_path(model)
+    kv_dtype = check.kv_cache_dtype(kv_cache_dtype)
     if reset_beliefs:
         from specplan.adaptive import belief_store
         from specplan.engine import load_model
 
-        store = belief_store(load_model(model, quantize=quantize), None)
+        store = belief_store(load_model(model, quantize=quantize), None, kv_dtype=kv_dtype)
         typer.echo(f"{'removed' if store.reset() else 'no saved beliefs at'} {store.path}")
         return
     check.at_least(draft_layers, 1, "--draft-layers")
@@ -350,8 +360,9 @@ def profile_cmd(
         from specplan.integrations.vllm_serve import checked_vllm_version
         from specplan.profiler.vllm_timer import run_vllm_profile
 
-        if quantize != "none":
-            fail("--quantize is for the built-in engine; vLLM loads the model as its own --dtype/--quantization say")
+        if quantize != "none" or kv_cache_dtype != "auto":
+            fail("--quantize and --kv-cache-dtype are for the built-in engine; vLLM loads the model as its own "
+                 "--dtype/--quantization say")
         checked_vllm_version()
         profile, path, report = run_vllm_profile(model, quick=quick, out=out, report_dir=report_dir,
                                                  progress=sys.stderr.isatty(), command=command)
@@ -361,7 +372,7 @@ def profile_cmd(
 
         profile, path, report = run_profile(model, quick=quick, out=out, report_dir=report_dir,
                                             layer_skip_layers=draft_layers, command=command,
-                                            loaded=load_model(model, quantize=quantize))
+                                            loaded=load_model(model, quantize=quantize), kv_dtype=kv_dtype)
     f = profile.fit
     typer.echo(f"profile: {path}\nreport:  {report}\nlatency model error on held-out cells: {f.heldout_mape:.1f}% "
                f"(pure roofline: {f.roofline_mape:.1f}%)")

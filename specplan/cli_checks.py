@@ -25,6 +25,8 @@ EXIT_BAD_INPUT = 2
 
 # The built-in engine's weights option, shared by every command that loads the model.
 Quantize = Annotated[str, typer.Option(help="Weights: none (float32) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 blocks as stored) | int8 | q4 (quantized at load).")]
+# The built-in engine's KV cache element type (engine/model_runner.py kv_cache_dtype).
+KvCacheDtype = Annotated[str, typer.Option(help="KV cache element type: auto (float16 with quantized weights, as llama.cpp; else float32) | float32 | float16.")]
 
 
 class CliError(Exception):
@@ -135,6 +137,14 @@ def choice(value: str, choices: Sequence[str], option: str) -> str:
     if value not in choices:
         fail(f"unknown {option} {value!r}; choose one of {', '.join(choices)}")
     return value
+
+
+def kv_cache_dtype(value: str, option: str = "--kv-cache-dtype"):
+    """The torch dtype --kv-cache-dtype names, or None for auto (the engine's choice)."""
+    from specplan.engine.model_runner import KV_CACHE_DTYPES
+
+    choice(value, ("auto", *KV_CACHE_DTYPES), option)
+    return KV_CACHE_DTYPES.get(value)
 
 
 def choices(text: str, known: Sequence[str], option: str) -> tuple[str, ...]:

@@ -164,6 +164,56 @@ def test_fast_path_head_sizes(kernel, head_dim, block_size):
           window=37, seed=30 + block_size)
 
 
+def _half(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache stored as float16, in the same strided (head-major) layout."""
+    return cache.to(torch.float16)
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 8), (128, 16), (128, 1)])
+def test_float16_cache_matches_reference(kernel, head_dim, block_size):
+    """A float16 KV cache (half the bytes a decode step reads) with float32 queries: the kernel
+    widens each key and value as it loads them, the reference widens the gathered cache; both do
+    the same float math on the same values. Mixed batches, a sliding window, GQA 1-4."""
+    for heads, kv_heads in ((8, 2), (9, 3), (4, 4)):
+        check(MIXED, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+              seed=40 + heads + block_size, cache_transform=_half)
+    check([(0, 40), (70, 3), (200, 1)], heads=4, kv_heads=4, head_dim=head_dim, block_size=block_size,
+          window=37, seed=50 + block_size, cache_transform=_half)
+
+
+def test_float16_cache_is_read_as_half_not_reinterpreted(kernel):
+    """The kernel reads the float16 values themselves: its answer equals the float32 kernel's on
+    the widened cache bit for bit (every float16 is a float; only the loads differ), and differs
+    from the answer on the unrounded float32 cache (so the rounding did reach the cache)."""
+    from specplan.engine.model.attention_cpu import paged_attention_cpu
+
+    batch, num_blocks = make_batch(MIXED, 16, 3)
+    q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 9, 3, 64, torch.float32, 3)
+    k16, v16 = k_cache.to(torch.float16), v_cache.to(torch.float16)
+    with torch.inference_mode():
+        half = paged_attention_cpu(q, k16, v16, batch, 0.125, None)
+        widened = paged_attention_cpu(q, k16.float(), v16.float(), batch, 0.125, None)
+        full = paged_attention_cpu(q, k_cache, v_cache, batch, 0.125, None)
+    assert torch.equal(half, widened)
+    assert (half - full).abs().max().item() > 1e-5
+
+
+def test_float16_cache_refuses_what_it_cannot_read(kernel):
+    """A float16 cache at a head size without the fast path, or with float64 queries, is an error
+    naming the rule (the engine routes those to the torch reference: ``supports`` says no)."""
+    from specplan.engine.model.attention_cpu import paged_attention_cpu, supports
+
+    batch, num_blocks = make_batch([(30, 1)], 16, 4)
+    q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 4, 2, 32, torch.float32, 4)
+    assert not supports(batch, torch.float32, "cpu", torch.float16, 32)
+    assert supports(batch, torch.float32, "cpu", torch.float16, 64)
+    assert not supports(batch, torch.float64, "cpu", torch.float16, 64)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        paged_attention_cpu(q, k_cache.half(), v_cache.half(), batch, 0.125, None)
+    with pytest.raises(RuntimeError, match="float16 with float32 q"):
+        paged_attention_cpu(q.double(), k_cache.half(), v_cache.half(), batch, 0.125, None)
+
+
 def test_strided_cache_view(kernel):
     """A cache whose head_dim is contiguous but whose other strides are not the dense ones."""
 
@@ -254,8 +304,9 @@ def _alone(batch: TokenBatch, row: int) -> TokenBatch:
                       seq_lens_host=[seen], tree_masks=None)
 
 
-@pytest.mark.parametrize("head_dim", [64, 32], ids=["fast-path", "generic-float"])
-def test_a_row_is_the_same_bits_alone_or_in_a_verify_step(kernel, head_dim):
+@pytest.mark.parametrize("head_dim,kv_dtype", [(64, torch.float32), (32, torch.float32), (64, torch.float16)],
+                         ids=["fast-path", "generic-float", "float16-cache"])
+def test_a_row_is_the_same_bits_alone_or_in_a_verify_step(kernel, head_dim, kv_dtype):
     """Batch invariance, which greedy speculation needs exactly: the row a verify step computes for
     position p equals bit for bit the decode step at p (B = 1, two threads). Contexts cross block
     boundaries and run past 8 blocks, where the kernel once split a lone decode's keys."""
@@ -268,6 +319,7 @@ def test_a_row_is_the_same_bits_alone_or_in_a_verify_step(kernel, head_dim):
             for T in (2, 5):
                 batch, num_blocks = make_batch([(ctx, T)], 16, ctx)
                 q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 9, 3, head_dim, torch.float32, ctx)
+                k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
                 verify = paged_attention_cpu(q, k_cache, v_cache, batch, 0.125, None)
                 for row in range(T):
                     alone = paged_attention_cpu(q[row:row + 1].contiguous(), k_cache, v_cache, _alone(batch, row),

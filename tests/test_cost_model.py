@@ -54,3 +54,10 @@ def test_weight_itemsize_prices_only_the_products_and_the_head():
     products = 2 * (8 * 16 + 8 * 8 + 3 * 8 * 16) + 10 * 8  # per layer x 2 layers, + the tied head
     assert weight_bytes(TINY, itemsize=4, weight_itemsize=0.5) == pytest.approx(float_only - products * 3.5)
     assert decode_step_cost(TINY, 1, 1, 4, weight_itemsize=0.5).weight_bytes < decode_step_cost(TINY, 1, 1, 4).weight_bytes
+
+
+def test_a_float16_cache_halves_the_kv_bytes_only():
+    full = decode_step_cost(TINY, 4, 3, 64)
+    half = decode_step_cost(TINY, 4, 3, 64, kv_itemsize=2)
+    assert half.kv_bytes == full.kv_bytes / 2 > 0
+    assert (half.weight_bytes, half.activation_bytes, half.flops) == (full.weight_bytes, full.activation_bytes, full.flops)

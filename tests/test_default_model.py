@@ -70,3 +70,22 @@ def test_default_model_speculation_is_lossless(loaded, proposer, k):
     spec = LLM(loaded=loaded, speculative_config={"proposer": proposer, "k": k, "draft_layers": 8})
     assert [o.token_ids for o in spec.generate(PROMPTS[:4], params)] == expected
     assert spec.engine.stats.num_draft_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def loaded_q4():
+    return load_model(None, quantize="gguf")
+
+
+@pytest.mark.parametrize("proposer,k", [("ngram", 4), ("layer-skip", 2), ("eagle", 3)])
+def test_default_model_quantized_speculation_is_lossless(loaded_q4, proposer, k):
+    """The GGUF's own Q4_1 blocks with the float16 KV cache auto gives them: speculation is
+    token-for-token plain greedy decoding over the same weights and cache (verify rows of the
+    attention kernel equal the decode rows bit for bit with either cache type)."""
+    plain = LLM(loaded=loaded_q4)
+    assert plain.engine.kv_dtype == torch.float16
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(PROMPTS[:4], params)]
+    spec = LLM(loaded=loaded_q4, speculative_config={"proposer": proposer, "k": k, "draft_layers": 8})
+    assert [o.token_ids for o in spec.generate(PROMPTS[:4], params)] == expected
+    assert spec.engine.stats.num_accepted_tokens > 0

@@ -297,3 +297,27 @@ def test_a_grid_row_costs_the_step_its_cell_ran():
                 SimpleNamespace(batch_size=4, tokens_per_seq=3, context=100, drafting=float("nan")),
                 SimpleNamespace(batch_size=4, tokens_per_seq=3, context=100, drafting=4)):
         assert grid_row_cost(cfg, row) == uniform
+
+
+def test_the_kv_cache_is_in_the_fingerprint_and_the_cached_profiles_key(tmp_path, monkeypatch):
+    """A float16 KV cache times another step: quantised weights (auto: float16) get their own cached
+    profile ("-kv_float16" in its name), float32 ones keep the name they had; asking for a float32
+    cache with quantised weights keys that too. A profile from before the field ("unknown") is a
+    warning, not an error (the planner corrects step times online)."""
+    from conftest import loaded_from_hf, tiny_hf_model
+    from specplan.engine.model.loader import quantize_model
+    from specplan.profiler.profile import check_matches, fingerprint
+    from specplan.profiler.run import default_profile_path
+
+    monkeypatch.setenv("SPECPLAN_CACHE", str(tmp_path))
+    hf = tiny_hf_model("llama", dtype=torch.float32, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    plain, quant = loaded_from_hf(hf).config, quantize_model(loaded_from_hf(hf), "q4").config
+    fp_plain, fp_quant = fingerprint(plain, torch.float32, "cpu"), fingerprint(quant, torch.float32, "cpu")
+    assert (fp_plain.kv_cache, fp_quant.kv_cache) == ("float32", "float16")
+    assert "-kv_" not in default_profile_path(fp_plain).name
+    assert "float32-q4_1+q8_0-kv_float16-t" in default_profile_path(fp_quant).name
+    fp_quant32 = fingerprint(quant, torch.float32, "cpu", torch.float32)
+    assert fp_quant32.kv_cache == "float32" and "-kv_" not in default_profile_path(fp_quant32).name
+    old = Profile.model_construct(fingerprint=fp_quant.model_copy(update={"kv_cache": "unknown"}))
+    warnings = check_matches(old, fp_quant, "old.json")
+    assert any("kv_cache 'unknown', now 'float16'" in w for w in warnings)

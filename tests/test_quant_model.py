@@ -85,8 +85,56 @@ def test_greedy_speculation_is_lossless_on_the_quantized_target(model, scheme, p
     assert llm.engine.stats.num_accepted_tokens > 0, "nothing accepted: the verify path was never exercised"
 
 
-def _last_logits(model: Model, seqs: list[list[int]], block_size: int = 16, chunk: int = 1024) -> torch.Tensor:
-    """Logits [N, V] after each of N equal-length sequences, many sequences per prefill step."""
+@pytest.fixture(scope="module")
+def model64():
+    """Head size 64 (two query heads sharing one KV head): the size the CPU attention kernel reads
+    a float16 cache at, so ``auto`` picks one for quantised weights."""
+    return tiny_hf_model("llama", dtype=torch.float32, num_hidden_layers=3, hidden_size=128,
+                         num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("proposer,k", [("ngram", 4), ("layer-skip", 3)])
+def test_quantized_weights_get_a_float16_cache_and_speculation_stays_lossless(model64, proposer, k):
+    """auto: quantised weights on CPU get a float16 KV cache (twice the tokens in the same budget),
+    float32 weights keep float32. Greedy speculation over that cache is token-for-token the greedy
+    output without it (both over float16), and close to the float32 cache's logits."""
+    from specplan.engine.model_runner import kv_cache_dtype
+
+    loaded = quantize_model(loaded_from_hf(model64), "q4")
+    plain = _llm(loaded)
+    assert plain.engine.kv_dtype == torch.float16
+    assert kv_cache_dtype(loaded_from_hf(model64).config, torch.float32, "cpu") == torch.float32
+    float_cache = _llm(loaded, kv_cache_dtype="float32")
+    assert float_cache.engine.block_manager.num_blocks * 2 == plain.engine.block_manager.num_blocks
+    prompts = repetitive_prompts(model64.config.vocab_size)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    llm = _llm(loaded, speculative_config={"proposer": proposer, "k": k, "draft_layers": 2})
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine.stats.num_accepted_tokens > 0, "nothing accepted: the verify path was never exercised"
+    target = Model(loaded.config, loaded.weights, "cpu", torch.float32)
+    with torch.no_grad():
+        shortest = min(len(p) for p in prompts)
+        half = _last_logits(target, [p[:shortest] for p in prompts], kv_dtype=torch.float16)
+        full = _last_logits(target, [p[:shortest] for p in prompts])
+    assert not torch.equal(half, full)  # the cache's rounding reached the logits...
+    # ...and moved them little: the int8 rounding of activations in the quantised products
+    # magnifies a last-bit change (max |diff| ~0.16 here against ~0.006 with float32 weights).
+    assert F.cosine_similarity(half, full, dim=-1).min() > 0.998
+    assert (half.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
+
+
+def test_kv_cache_dtype_errors(model64):
+    loaded = quantize_model(loaded_from_hf(model64), "q4")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or one of float32, float16"):
+        _llm(loaded, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="KV cache dtype torch.float32 not supported with torch.float64 compute"):
+        LLM(loaded=loaded_from_hf(model64), dtype=torch.float64, kv_cache_bytes=8 * 1024**2, kv_cache_dtype="float32")
+
+
+def _last_logits(model: Model, seqs: list[list[int]], block_size: int = 16, chunk: int = 1024,
+                 kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Logits [N, V] after each of N equal-length sequences, many sequences per prefill step, over
+    a KV cache of ``kv_dtype``."""
     from specplan.engine.batch import TokenBatch
     from specplan.engine.model_runner import allocate_kv_cache, layer_caches
 
@@ -104,30 +152,35 @@ def _last_logits(model: Model, seqs: list[list[int]], block_size: int = 16, chun
                            slot_mapping=slots, block_tables=torch.arange(n * per_seq, dtype=torch.int32).view(n, per_seq),
                            logits_indices=starts[1:].long() - 1, query_lens_host=[length] * n,
                            seq_lens_host=[length] * n)
-        cache = allocate_kv_cache(model.config, n * per_seq, block_size, torch.float32, torch.device("cpu"))
+        cache = allocate_kv_cache(model.config, n * per_seq, block_size, kv_dtype, torch.device("cpu"))
         hidden = model.forward(batch, layer_caches(cache), block_size)  # [n * length, hidden]
         out.append(model.compute_logits(hidden[batch.logits_indices]))  # [n, V]
     return torch.cat(out)
 
 
-def test_sampled_speculation_keeps_the_quantized_targets_distribution(model):
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_sampled_speculation_keeps_the_quantized_targets_distribution(model, kv_cache_dtype):
     """Sampled tokens 2 and 3 under layer-skip drafts (q != p, so rejection sampling resamples)
     follow the exact marginals of the *quantized* target, computed from its own logits over every
-    context (chi-square): speculation is lossless against the model the engine actually runs."""
+    context (chi-square): speculation is lossless against the model the engine actually runs,
+    with its KV cache in float32 or float16 (the target is then the model over a float16 cache)."""
     loaded = quantize_model(loaded_from_hf(model), "q4")
     vocab, n = model.config.vocab_size, 3000
     prompt = repetitive_prompts(vocab, n=1, seed=5)[0][:8]
     llm = LLM(loaded=loaded, dtype=torch.float32, kv_cache_bytes=64 * 1024**2, block_size=4, max_num_seqs=n,
-              max_num_batched_tokens=40_000,
+              max_num_batched_tokens=40_000, kv_cache_dtype=kv_cache_dtype,
               speculative_config={"proposer": "layer-skip", "k": 2, "draft_layers": 1})
+    kv_dtype = getattr(torch, kv_cache_dtype)
+    assert llm.engine.kv_dtype == kv_dtype
     outs = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=1.0, n=n, seed=321))
     stats = llm.engine.stats
     assert stats.num_draft_tokens >= n and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     target = Model(loaded.config, loaded.weights, "cpu", torch.float32)
     with torch.no_grad():
-        p0 = _last_logits(target, [prompt]).double().softmax(-1)[0]  # [V]: p(t0)
-        p1 = _last_logits(target, [prompt + [a] for a in range(vocab)]).double().softmax(-1)  # [V, V]: p(t1 | t0)
-        p2 = _last_logits(target, [prompt + [a, b] for a in range(vocab) for b in range(vocab)]
+        p0 = _last_logits(target, [prompt], kv_dtype=kv_dtype).double().softmax(-1)[0]  # [V]: p(t0)
+        p1 = _last_logits(target, [prompt + [a] for a in range(vocab)], kv_dtype=kv_dtype
+                          ).double().softmax(-1)  # [V, V]: p(t1 | t0)
+        p2 = _last_logits(target, [prompt + [a, b] for a in range(vocab) for b in range(vocab)], kv_dtype=kv_dtype
                           ).double().softmax(-1).view(vocab, vocab, vocab)  # p(t2 | t0, t1)
     assert_follows_marginals(outs, p0, p1, p2)
 

@@ -87,16 +87,19 @@ class AttentionPlan:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values ([N, kv_heads, D]) at their slots."""
+    """Store this step's keys/values ([N, kv_heads, D]) at their slots, in the cache's dtype (a
+    float16 cache rounds them to nearest even, as the CPU kernel does)."""
     block_size = k_cache.shape[1]
     block, offset = slot_mapping // block_size, slot_mapping % block_size  # [N] each
-    k_cache[block, offset] = k  # indexing, not .view: the cache may be a strided (head-major) view
-    v_cache[block, offset] = v
+    # Indexing, not .view: the cache may be a strided (head-major) view.
+    k_cache[block, offset] = k.to(k_cache.dtype)
+    v_cache[block, offset] = v.to(v_cache.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
                     scale: float) -> torch.Tensor:
-    """q: [N, H, D] -> out [N, H, D]; keys/values come from the cache (this step's already written)."""
+    """q: [N, H, D] -> out [N, H, D]; keys/values come from the cache (this step's already written),
+    widened to q's dtype when the cache is stored narrower (float16)."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
@@ -106,8 +109,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qg = q[g.token_index]  # [b, max_q, H, D]
         qg = qg.view(b, max_q, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
         qg = qg.reshape(b, kv_heads, max_q * group, head_dim)  # [b, KVH, max_q*G, D]
-        k = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [b, KVH, L, D]
-        v = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [b, KVH, L, D]
+        k = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [b, KVH, L, D]
+        v = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [b, KVH, L, D]
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)  # [b, KVH, max_q*G, D]
         o = o.view(b, kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)  # [b, max_q, KVH, G, D]
         o = o.reshape(b, max_q, num_heads, head_dim)

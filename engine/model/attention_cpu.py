@@ -32,12 +32,23 @@ def load_kernel() -> Callable | None:
     return torch.ops.specplan_attn.paged_attention_cpu if cpu_kernels.load() else None
 
 
-def supports(batch: TokenBatch, dtype: torch.dtype, device: torch.device | str) -> bool:
+def supports(batch: TokenBatch, dtype: torch.dtype, device: torch.device | str,
+             kv_dtype: torch.dtype | None = None, head_dim: int = 64) -> bool:
     """Whether ``paged_attention_cpu`` takes this step: CPU, float32/float64, trees (if any) given
-    as ``tree_bits``, and the kernel compiled. Decide once per step; otherwise use the reference
-    with an AttentionPlan."""
+    as ``tree_bits``, and the kernel compiled. ``kv_dtype``: the cache's (None: ``dtype``); a
+    float16 cache with float32 queries is read by the kernel at head_dim 64 or 128
+    (``half_cache_supported``). Decide once per step; otherwise use the reference with an
+    AttentionPlan."""
+    if kv_dtype is not None and kv_dtype != dtype and not (kv_dtype == torch.float16 and dtype == torch.float32
+                                                           and half_cache_supported(head_dim)):
+        return False
     return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64)
             and (not batch.tree_masks or batch.tree_bits is not None) and load_kernel() is not None)
+
+
+def half_cache_supported(head_dim: int) -> bool:
+    """Whether the kernel reads a float16 KV cache of this head size (its fast path's sizes)."""
+    return head_dim in (64, 128)
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: TokenBatch,

@@ -138,7 +138,8 @@ class Model:
         c = self.config
         # On CPU a C++ kernel reads K/V in place through the block tables; tree-masked batches and
         # other devices use the torch reference, which gathers each sequence's K/V.
-        use_kernel = cpu_kernel_supports(batch, self.dtype, self.device)
+        kv_dtype = layer_caches[0][0].dtype if layer_caches else None
+        use_kernel = cpu_kernel_supports(batch, self.dtype, self.device, kv_dtype, c.head_dim)
         plan = None if use_kernel else AttentionPlan.build(batch, block_size, c.num_heads // c.num_kv_heads,
                                                            c.sliding_window)
         ops, n, eps = self.ops, batch.num_tokens, c.rms_norm_eps

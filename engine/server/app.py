@@ -436,8 +436,9 @@ def build_engine(model: str | None = None, *, proposer: str | None = None, spec_
                  draft_model: str | None = None, draft_layers: int = 4, draft_head: str | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 2048, kv_cache_bytes: int = 512 * 1024**2,
                  block_size: int = 16, seed: int = 0, decider: SpecDecider | None = None, loaded=None,
-                 dtype=None) -> LLMEngine:
-    """The engine a server runs. ``decider``: who picks k per request per step (None: fixed ``spec_k``)."""
+                 dtype=None, kv_dtype=None) -> LLMEngine:
+    """The engine a server runs. ``decider``: who picks k per request per step (None: fixed ``spec_k``);
+    ``kv_dtype``: the KV cache's element type (None: the engine's auto choice)."""
     import torch
 
     spec = None
@@ -446,7 +447,7 @@ def build_engine(model: str | None = None, *, proposer: str | None = None, spec_
                           draft_model=draft_model, draft_layers=draft_layers, draft_head=draft_head)
     config = EngineConfig(
         model=model, dtype=dtype or torch.float32, seed=seed, spec=spec,
-        cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes),
+        cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes, kv_dtype=kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len))
     return LLMEngine(config, loaded, decider)

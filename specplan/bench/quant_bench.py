@@ -29,6 +29,7 @@ from rich.progress import Progress
 
 from specplan.engine import LLM, LoadedModel, SamplingParams, load_model
 from specplan.engine.model.linear import QuantLinear
+from specplan.engine.model_runner import kv_cache_dtype
 from specplan.engine.model.transformer import Model
 from specplan.profiler.machine import describe, machine_info
 
@@ -100,8 +101,10 @@ def _llama_cpp_runner(cpp, prompt: list[int], new_tokens: int) -> Callable[[], i
 
 
 @torch.inference_mode()
-def prefill_logits(model: Model, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Logits [T, V] at every position of one sequence (teacher forcing), prefilled in one step."""
+def prefill_logits(model: Model, ids: list[int], block_size: int = 16, kv_dtype: torch.dtype = torch.float32
+                   ) -> torch.Tensor:
+    """Logits [T, V] at every position of one sequence (teacher forcing), prefilled in one step,
+    over a KV cache of ``kv_dtype``."""
     from specplan.engine.batch import TokenBatch
     from specplan.engine.model_runner import allocate_kv_cache, layer_caches
 
@@ -112,7 +115,7 @@ def prefill_logits(model: Model, ids: list[int], block_size: int = 16) -> torch.
                        seq_lens=torch.tensor([t], dtype=torch.int32), slot_mapping=torch.arange(t),
                        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
                        logits_indices=torch.arange(t), query_lens_host=[t], seq_lens_host=[t])
-    cache = allocate_kv_cache(model.config, blocks, block_size, torch.float32, torch.device("cpu"))
+    cache = allocate_kv_cache(model.config, blocks, block_size, kv_dtype, torch.device("cpu"))
     return model.compute_logits(model.forward(batch, layer_caches(cache), block_size))
 
 
@@ -133,7 +136,8 @@ def heldout_texts(tokenizer, docs: int, tokens: int) -> list[list[int]]:
 
 def quality(variants: dict[str, LoadedModel], ggufs: dict[str, Path], texts: list[list[int]],
             progress: bool) -> dict[str, dict]:
-    """Perplexity and greedy agreement with specplan fp32 per engine, over the same token ids."""
+    """Perplexity and greedy agreement with specplan fp32 per engine, over the same token ids;
+    each specplan variant over the KV cache its engine runs with (float16 for quantised weights)."""
     argmaxes: dict[str, list[torch.Tensor]] = {}
     nll: dict[str, float] = {}
     count = sum(len(ids) - 1 for ids in texts)
@@ -141,9 +145,10 @@ def quality(variants: dict[str, LoadedModel], ggufs: dict[str, Path], texts: lis
         task = bar.add_task("perplexity", total=len(texts) * (len(variants) + len(ggufs)))
         for name, loaded in variants.items():
             model = Model(loaded.config, loaded.weights, "cpu", torch.float32)
+            kv_dtype = kv_cache_dtype(loaded.config, torch.float32, "cpu")
             nll[name], argmaxes[name] = 0.0, []
             for ids in texts:
-                total, top = _nll_and_argmax(prefill_logits(model, ids), ids)
+                total, top = _nll_and_argmax(prefill_logits(model, ids, kv_dtype=kv_dtype), ids)
                 nll[name] += total
                 argmaxes[name].append(top)
                 bar.advance(task)
@@ -191,6 +196,7 @@ def roofline_line(loaded: LoadedModel, repeats: int, rounds: int = 5) -> dict:
         bandwidths.append(measure_bandwidth(probe=probe, repeats=3))
     step, bandwidth = statistics.median(steps), statistics.median(bandwidths)
     return {"step_ms": 1e3 * step, "step_round_ms": [1e3 * s for s in steps], "weights": params,
+            "kv_cache": str(engine.kv_dtype).removeprefix("torch."),
             "bandwidth_gb_s": bandwidth / 1e9, "bandwidth_round_gb_s": [b / 1e9 for b in bandwidths],
             "floor_ms_at_4.5_bits": 1e3 * floor_bytes / bandwidth, "packed_bytes": packed_bytes,
             "floor_ms_packed": 1e3 * packed_bytes / bandwidth,
@@ -279,6 +285,8 @@ def run_quant_bench(out: Path, model: str | None = None, repeats: int = 3, new_t
         "single_stream_tok_s": {k: {"median": statistics.median(v), "all": v} for k, v in single_rates.items()},
         "batched_tok_s": {k: {"median": statistics.median(v), "all": v} for k, v in batched_rates.items()},
         "quality": qual, "roofline_b1": roof, "kernels": kernels,
+        "kv_cache": {name: str(kv_cache_dtype(v.config, torch.float32, "cpu")).removeprefix("torch.")
+                     for name, v in variants.items()},
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant-bench.json").write_text(json.dumps(result, indent=2))
@@ -312,6 +320,10 @@ def render_report(r: dict, png: Path) -> str:
         f"| engine | single-stream tok/s | B={r['batch_size']} tok/s | perplexity | greedy agreement vs fp32 |",
         "|---|---:|---:|---:|---:|",
     ]
+    kv = r.get("kv_cache")
+    if kv:  # runs from before the float16 cache ran every specplan engine over float32
+        lines[4:4] = ["KV caches: " + ", ".join(f"{name} {dtype}" for name, dtype in kv.items())
+                      + "; llama.cpp F16 (its default).", ""]
     for name in single:
         q = r["quality"].get(name, {})
         b = batched.get(name, {}).get("median")

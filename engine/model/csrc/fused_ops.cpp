@@ -7,8 +7,9 @@
 //       h += delta (in place, the residual stream), then returns weight * h / rms(h).
 //   rope_write_kv(qkv [N, (H + 2 KVH) D], positions [N], cos/sin [max_pos, D],
 //                 k_cache/v_cache [num_blocks, block_size, KVH, D], slot_mapping [N], H, KVH) -> q [N, H, D]
-//       rotates q and k (rotate-half layout) and writes k and v straight into their cache slots;
-//       returns the rotated q. Replaces split + two apply_rope + two index_copy_.
+//       rotates q and k (rotate-half layout) and writes k and v straight into their cache slots
+//       (float32, or float16 rounded to nearest even as torch's .half()); returns the rotated q.
+//       Replaces split + two apply_rope + two index_copy_.
 //   silu_mul(gate_up [N, 2 I]) -> [N, I]:  silu(gate) * up.
 //   argmax_rows(x [R, V]) -> [R] int64:  torch.argmax(x, -1) (greedy tokens from the logits).
 
@@ -17,6 +18,7 @@
 #include <ATen/ops/argmax.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/Half.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
@@ -26,8 +28,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "vec_math.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -90,6 +97,21 @@ inline void rotate(const float* __restrict x, const float* __restrict c, const f
   for (int64_t j = half; j < D; ++j) out[j] = x[j] * c[j] + x[j - half] * s[j];
 }
 
+// The cache's copy of D floats: as they are, or rounded to fp16 (to nearest even, as torch's
+// .half(), so the torch reference writes the same bits).
+inline void store_kv(const float* __restrict src, float* __restrict dst, int64_t D) {
+  std::memcpy(dst, src, D * sizeof(float));
+}
+inline void store_kv(const float* __restrict src, at::Half* __restrict dst, int64_t D) {
+  int64_t j = 0;
+#if defined(__F16C__)
+  for (; j + 8 <= D; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; j < D; ++j) dst[j] = static_cast<at::Half>(src[j]);
+}
+
 // silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) (never overflows):
 // sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0. One register-width vector.
 using specplan::kRegLanes;
@@ -148,8 +170,9 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, con
   TORCH_CHECK(sin.sizes() == cos.sizes(), "sin and cos tables must match");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == KVH &&
                   k_cache.size(3) == D && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "k_cache / v_cache must be float32 [num_blocks, block_size, KVH, D], head_dim contiguous");
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "k_cache / v_cache must be float32 or float16 [num_blocks, block_size, KVH, D], head_dim contiguous");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                   positions.is_contiguous() && slot_mapping.is_contiguous() && positions.numel() == N &&
                   slot_mapping.numel() == N,
@@ -166,24 +189,31 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, con
   const float* ct = cos.data_ptr<float>();
   const float* st = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
   const int64_t sk0 = k_cache.stride(0), sk1 = k_cache.stride(1), sk2 = k_cache.stride(2);
   const int64_t sv0 = v_cache.stride(0), sv1 = v_cache.stride(1), sv2 = v_cache.stride(2);
   const int64_t width = (H + 2 * KVH) * D;
-  for_rows(N, width, [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; ++i) {
-      const float* row = in + i * width;
-      const float* c = ct + pos[i] * D;
-      const float* s = st + pos[i] * D;
-      const int64_t block = slots[i] / bs, offset = slots[i] % bs;
-      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, D, qp + (i * H + h) * D);
-      for (int64_t kv = 0; kv < KVH; ++kv) {
-        rotate(row + (H + kv) * D, c, s, D, kp + block * sk0 + offset * sk1 + kv * sk2);
-        std::memcpy(vp + block * sv0 + offset * sv1 + kv * sv2, row + (H + KVH + kv) * D, D * sizeof(float));
+  auto write = [&](auto* kp, auto* vp) {  // float* or at::Half*: the cache's element type
+    for_rows(N, width, [&](int64_t r0, int64_t r1) {
+      std::vector<float> rotated(D);  // one rotated key row, then stored in the cache's type
+      for (int64_t i = r0; i < r1; ++i) {
+        const float* row = in + i * width;
+        const float* c = ct + pos[i] * D;
+        const float* s = st + pos[i] * D;
+        const int64_t block = slots[i] / bs, offset = slots[i] % bs;
+        for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, D, qp + (i * H + h) * D);
+        for (int64_t kv = 0; kv < KVH; ++kv) {
+          rotate(row + (H + kv) * D, c, s, D, rotated.data());
+          store_kv(rotated.data(), kp + block * sk0 + offset * sk1 + kv * sk2, D);
+          store_kv(row + (H + KVH + kv) * D, vp + block * sv0 + offset * sv1 + kv * sv2, D);
+        }
       }
-    }
-  });
+    });
+  };
+  if (k_cache.scalar_type() == at::kHalf) {
+    write(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+  } else {
+    write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  }
   return q;
 }
 

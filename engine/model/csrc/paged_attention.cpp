@@ -7,7 +7,10 @@
 //
 // Layouts:
 //   q             [N, H, D]                          contiguous, float32 or float64
-//   k/v cache     [num_blocks, block_size, KVH, D]   any strides, last dim contiguous
+//   k/v cache     [num_blocks, block_size, KVH, D]   any strides, last dim contiguous; q's dtype,
+//                                                    or float16 with float32 q (head_dim 64/128:
+//                                                    half the bytes a decode step reads, widened
+//                                                    to float as loaded; the math stays float)
 //   query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32,
 //   positions     [N] int64
 //   tree_bits     [N] int64 or None                  draft-tree rows: which tree nodes they see
@@ -53,6 +56,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "kernels.h"
@@ -68,6 +72,10 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -271,18 +279,21 @@ inline void prefetch_rows(const T* base, int64_t stride, int64_t rows, int64_t n
 
 // The key and value rows of a later (block, KV head) to fetch while this one is computed: one
 // row (D floats) of each per key of this one, so the loads stream in steadily beside the math.
+// KV: the cache's element type (float, or at::Half: a row of D values is then half the lines).
+template <typename KV>
 struct RowPrefetch {
-  const float* k = nullptr;
-  const float* v = nullptr;
+  static constexpr int kPerLine = 64 / sizeof(KV);  // elements per cache line
+  const KV* k = nullptr;
+  const KV* v = nullptr;
   int64_t ks = 0, vs = 0;
   int rows = 0;  // 0: nothing to fetch
   template <int D>
   void key_row(int t) const {
-    for (int off = 0; off < D; off += 16) __builtin_prefetch(k + t * ks + off, 0, 2);
+    for (int off = 0; off < D; off += kPerLine) __builtin_prefetch(k + t * ks + off, 0, 2);
   }
   template <int D>
   void value_row(int t) const {
-    for (int off = 0; off < D; off += 16) __builtin_prefetch(v + t * vs + off, 0, 2);
+    for (int off = 0; off < D; off += kPerLine) __builtin_prefetch(v + t * vs + off, 0, 2);
   }
 };
 
@@ -296,6 +307,22 @@ typedef specplan::RegF VL;
 typedef specplan::RegI VIL;
 
 inline VL loadL(const float* p) { return *reinterpret_cast<const VL*>(p); }
+
+// L keys' or values' elements from the cache as floats: a float cache is read as is; an fp16
+// cache (at::Half) is widened exactly (every fp16 value is a float), by one instruction where the
+// CPU has F16C (every AVX2 CPU) or AVX-512.
+inline VL load_kv(const float* p) { return loadL(p); }
+inline VL load_kv(const at::Half* p) {
+#if SPECPLAN_REG_LANES == 16
+  return (VL)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return (VL)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  VL v;
+  for (int i = 0; i < L; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
 
 // out[t] = sum of the L lanes of p[t]. A transpose-add tree: each level halves the number of
 // vectors and doubles the keys per vector (L - 1 shuffle pairs for L sums instead of L reductions).
@@ -370,10 +397,10 @@ inline float hsum_lanes(VL v) {
 // maximum m[r], denominator l[r] and accumulator acc[r * D : (r + 1) * D]. Each key and value
 // vector is loaded once for all R rows (GQA: the heads sharing a KV head are read together), and
 // each q.k sum runs in two independent chains.
-template <int D, int R>
-inline void attend_rows(const float* __restrict q, const float* __restrict k, int64_t ks,
-                          const float* __restrict v, int64_t vs, int n, uint32_t lanes, float scale,
-                          float* __restrict m, float* __restrict l, float* __restrict acc, const RowPrefetch& pf) {
+template <int D, int R, typename KV>
+inline void attend_rows(const float* __restrict q, const KV* __restrict k, int64_t ks,
+                          const KV* __restrict v, int64_t vs, int n, uint32_t lanes, float scale,
+                          float* __restrict m, float* __restrict l, float* __restrict acc, const RowPrefetch<KV>& pf) {
   constexpr int C = D / L;  // vectors per head
   VL scores[R];
   {
@@ -383,10 +410,10 @@ inline void attend_rows(const float* __restrict q, const float* __restrict k, in
     VL partial[R][L];
     for (int t = 0; t < L; ++t) {
       if (t < n) {
-        const float* kt = k + t * ks;
-        if (t < pf.rows) pf.key_row<D>(t);
+        const KV* kt = k + t * ks;
+        if (t < pf.rows) pf.template key_row<D>(t);
         VL kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = loadL(kt + L * c);
+        for (int c = 0; c < C; ++c) kv[c] = load_kv(kt + L * c);
         for (int r = 0; r < R; ++r) {
           VL even = qv[r][0] * kv[0], odd = qv[r][1] * kv[1];
           for (int c = 2; c < C; c += 2) {
@@ -424,10 +451,10 @@ inline void attend_rows(const float* __restrict q, const float* __restrict k, in
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = loadL(acc + r * D + L * c) * alpha[r];
   for (int t = 0; t < n; ++t) {
-    const float* vt = v + t * vs;
-    if (t < pf.rows) pf.value_row<D>(t);
+    const KV* vt = v + t * vs;
+    if (t < pf.rows) pf.template value_row<D>(t);
     VL vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = loadL(vt + L * c);
+    for (int c = 0; c < C; ++c) vv[c] = load_kv(vt + L * c);
     for (int r = 0; r < R; ++r) {
       const VL pt = VL{} + p[r][t];
       for (int c = 0; c < C; ++c) a[r][c] += pt * vv[c];
@@ -439,19 +466,19 @@ inline void attend_rows(const float* __restrict q, const float* __restrict k, in
 
 // attend_rows for g rows, in groups whose accumulators (rows x D / L vectors) fill at most half
 // the vector registers (32 with AVX-512: 4 rows at head_dim 64, 2 at 128; 16 with AVX2: 1 row).
-template <int D>
-inline void attend_heads(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int n,
-                           uint32_t lanes, float scale, float* m, float* l, float* acc, int64_t g, RowPrefetch pf) {
+template <int D, typename KV>
+inline void attend_heads(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs, int n,
+                           uint32_t lanes, float scale, float* m, float* l, float* acc, int64_t g, RowPrefetch<KV> pf) {
   constexpr int kRegisters = L == 16 ? 32 : 16;
   constexpr int64_t kMaxRows = std::max(1, kRegisters / 2 / (D / L));
   for (int64_t r = 0; r < g; r += kMaxRows) {
     const float* qr = q + r * D;
     float* ar = acc + r * D;
     switch (std::min(g - r, kMaxRows)) {
-      case 1: attend_rows<D, 1>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
-      case 2: attend_rows<D, 2>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
-      case 3: attend_rows<D, 3>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
-      default: attend_rows<D, kMaxRows>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
+      case 1: attend_rows<D, 1, KV>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
+      case 2: attend_rows<D, 2, KV>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
+      case 3: attend_rows<D, 3, KV>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
+      default: attend_rows<D, kMaxRows, KV>(qr, k, ks, v, vs, n, lanes, scale, m + r, l + r, ar, pf); break;
     }
     pf.rows = 0;
   }
@@ -498,11 +525,12 @@ inline uint32_t visible_lanes(uint64_t bits, int64_t c, int64_t j0, int64_t n) {
   return static_cast<uint32_t>((tree | context) & all);
 }
 
-template <typename T>
+// T: the queries' and outputs' type; KV: the cache's (T, or at::Half with float queries).
+template <typename T, typename KV>
 struct Args {
   const T* q;
-  const T* k;
-  const T* v;
+  const KV* k;
+  const KV* v;
   T* out;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
@@ -515,9 +543,11 @@ struct Args {
   int64_t window;
 };
 
-// FastD > 0: float with head_dim FastD, through attend_heads; 0: the generic loops.
-template <typename T, int FastD>
-void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
+// FastD > 0: float with head_dim FastD, through attend_heads; 0: the generic loops (a cache of
+// the queries' own type only).
+template <typename T, typename KV, int FastD>
+void process(const Args<T, KV>& a, const WorkItem& it, Scratch<T>& s) {
+  static_assert(FastD > 0 || std::is_same_v<T, KV>, "an fp16 cache is read by the fast path only");
   const int64_t G = a.G, D = a.D, bs = a.block_size;
   const int64_t ntok = it.tok_end - it.tok_begin;
   const int64_t heads = (it.kv_end - it.kv_begin) * G;  // query heads of this item, contiguous in q
@@ -578,22 +608,22 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
     const int64_t phys = table[blk];
     for (int64_t kv = it.kv_begin; kv < it.kv_end; ++kv) {
       prefetch_block(blk + kPrefetchBlocks, kv);  // spread over the block's work, not all at once
-      const T* kb = a.k + phys * a.sk0 + kv * a.sk2;
-      const T* vb = a.v + phys * a.sv0 + kv * a.sv2;
+      const KV* kb = a.k + phys * a.sk0 + kv * a.sk2;
+      const KV* vb = a.v + phys * a.sv0 + kv * a.sv2;
       for (int64_t i = 0; i < ntok; ++i) {
         const int64_t ta = std::max(s.lo[i], j0), tb = std::min(s.hi[i], j1);
         if (ta >= tb) continue;
         const int64_t nt = tb - ta;
         const T* qi = a.q + ((it.tok_begin + i) * a.H + kv * G) * D;  // the G heads of kv, contiguous
         const int64_t r0 = i * heads + kv * G - head0;
-        const T* k0 = kb + (ta - j0) * a.sk1;
-        const T* v0 = vb + (ta - j0) * a.sv1;
+        const KV* k0 = kb + (ta - j0) * a.sk1;
+        const KV* v0 = vb + (ta - j0) * a.sv1;
         const uint64_t tree = s.tree[i];
 #ifdef SPECPLAN_HAVE_SHUFFLEVECTOR
         if constexpr (FastD > 0) {
           // Fetch the pair kPrefetchUnits ahead in (block, KV head) order during row 0's math.
-          const float* pk = nullptr;
-          const float* pv = nullptr;
+          const KV* pk = nullptr;
+          const KV* pv = nullptr;
           int64_t prows = 0;
           if (i == 0) {
             const int64_t u = (blk - first_blk) * nkv + (kv - it.kv_begin) + kPrefetchUnits;
@@ -608,7 +638,7 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
             const int64_t n = std::min<int64_t>(L, nt - t);
             const uint32_t lanes = visible_lanes(tree, tree_c, ta + t, n);
             if (lanes == 0) continue;  // a tree row's cousins only
-            RowPrefetch pf;  // rows t.. of the pair ahead, beside keys t.. of this one
+            RowPrefetch<KV> pf;  // rows t.. of the pair ahead, beside keys t.. of this one
             if (prows > t) pf = {pk + t * a.sk1, pv + t * a.sv1, a.sk1, a.sv1, static_cast<int>(std::min<int64_t>(L, prows - t))};
             attend_heads<FastD>(qi, k0 + t * a.sk1, a.sk1, v0 + t * a.sv1, a.sv1, static_cast<int>(n), lanes,
                                   a.scale, s.m.data() + r0, s.l.data() + r0, s.acc.data() + r0 * D, G, pf);
@@ -616,6 +646,7 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
           continue;
         }
 #endif
+        if constexpr (std::is_same_v<T, KV>) {  // the generic loops
         if (tree != 0) {  // a span of a tree row's cousins only is skipped; hidden keys score -inf
           bool any = false;
           for (int64_t t = 0; t < nt && !any; ++t) any = key_visible(tree, tree_c, ta + t);
@@ -646,6 +677,7 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
           s.l[r] += exp_and_sum(row, nt, s.m[r]);
         }
         for (int64_t g = 0; g < G; ++g) weighted_sum(s.acc.data() + (r0 + g) * D, sc + g * ss, v0, a.sv1, nt, D);
+        }
       }
     }
   }
@@ -661,13 +693,13 @@ void process(const Args<T>& a, const WorkItem& it, Scratch<T>& s) {
   }
 }
 
-template <typename T, int FastD>
-void run(const Args<T>& a, const std::vector<WorkItem>& items) {
+template <typename T, typename KV, int FastD>
+void run(const Args<T, KV>& a, const std::vector<WorkItem>& items) {
   const int64_t n = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
     Scratch<T> s;
-    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n;) process<T, FastD>(a, items[w], s);
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n;) process<T, KV, FastD>(a, items[w], s);
   };
   // Waking a second thread costs microseconds (more when the cores are busy), so only a tiny step
   // stays on the calling thread. Decode attention waits on memory, not arithmetic: from a few
@@ -700,14 +732,18 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [N, H, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k_cache / v_cache must both be [num_blocks, block_size, KVH, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+  const bool half_cache = k_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == q.scalar_type() || (half_cache && q.scalar_type() == at::kFloat)),
+              "k_cache and v_cache must share q's dtype, or be float16 with float32 q");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache head_dim must be contiguous");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D, "cache head_dim ", k_cache.size(3), " != q head_dim ", D);
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads ", H, " not a multiple of kv_heads ", KVH);
   TORCH_CHECK(bs > 0, "block_size must be positive");
+  TORCH_CHECK(!half_cache || (kFastPath && (D == 64 || D == 128)),
+              "a float16 KV cache needs head_dim 64 or 128 (got ", D, ") and a compiler with vector shuffles");
 
   auto check_meta = [](const at::Tensor& t, at::ScalarType dt, int64_t dim, const char* name) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dt && t.dim() == dim && t.is_contiguous(), name,
@@ -786,12 +822,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
 
   at::Tensor out = at::empty_like(q);
   if (N == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_attention_cpu", [&] {
-    Args<scalar_t> a;
-    a.q = q.data_ptr<scalar_t>();
-    a.k = k_cache.data_ptr<scalar_t>();
-    a.v = v_cache.data_ptr<scalar_t>();
-    a.out = out.data_ptr<scalar_t>();
+  auto attend = [&](auto query_type, auto cache_type) {
+    using T = decltype(query_type);
+    using KV = decltype(cache_type);
+    Args<T, KV> a;
+    a.q = q.data_ptr<T>();
+    a.k = k_cache.data_ptr<KV>();
+    a.v = v_cache.data_ptr<KV>();
+    a.out = out.data_ptr<T>();
     a.seq_lens = sl;
     a.query_start_loc = qsl;
     a.block_tables = bt;
@@ -808,18 +846,32 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
     a.sv0 = v_cache.stride(0);
     a.sv1 = v_cache.stride(1);
     a.sv2 = v_cache.stride(2);
-    a.scale = static_cast<scalar_t>(scale);
+    a.scale = static_cast<T>(scale);
     a.window = sliding_window;
-    // The common head sizes get the float fast path; everything else the generic loops.
-    constexpr bool fast = kFastPath && std::is_same_v<scalar_t, float>;
-    if (D == 64) {
-      run<scalar_t, fast ? 64 : 0>(a, items);
-    } else if (D == 128) {
-      run<scalar_t, fast ? 128 : 0>(a, items);
-    } else {
-      run<scalar_t, 0>(a, items);
+    // The common head sizes get the float fast path; everything else the generic loops (checked
+    // above: an fp16 cache always has a fast path).
+    constexpr bool fast = kFastPath && std::is_same_v<T, float>;
+    if constexpr (std::is_same_v<T, KV>) {
+      if (D == 64) {
+        run<T, KV, fast ? 64 : 0>(a, items);
+      } else if (D == 128) {
+        run<T, KV, fast ? 128 : 0>(a, items);
+      } else {
+        run<T, KV, 0>(a, items);
+      }
+    } else if constexpr (fast) {
+      if (D == 64) {
+        run<T, KV, 64>(a, items);
+      } else {
+        run<T, KV, 128>(a, items);
+      }
     }
-  });
+  };
+  if (half_cache) {
+    attend(float{}, at::Half{});
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_attention_cpu", [&] { attend(scalar_t{}, scalar_t{}); });
+  }
   return out;
 }
 
