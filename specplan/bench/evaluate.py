@@ -75,9 +75,10 @@ def _request_index(request_id: str) -> int:
 
 
 def _engine(loaded: LoadedModel, proposer: str, max_batch: int, draft_layers: int,
-            kv_cache_mib: int = 1536) -> LLMEngine:
+            kv_cache_mib: int = 1536, kv_dtype=None) -> LLMEngine:
+    """``kv_dtype``: the KV cache's element type (None: the engine's auto choice)."""
     config = EngineConfig(
-        cache=CacheConfig(block_size=16, kv_cache_bytes=kv_cache_mib * 1024**2),
+        cache=CacheConfig(block_size=16, kv_cache_bytes=kv_cache_mib * 1024**2, kv_dtype=kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=1024, max_model_len=2048),
         spec=SpecConfig(proposer=proposer, k=0, max_k=8, draft_layers=draft_layers))
     return LLMEngine(config, loaded)
