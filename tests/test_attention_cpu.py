@@ -372,10 +372,11 @@ def tree_batch(specs, trees: dict[int, DraftTree], block_size: int, seed: int):
     return batch, num_blocks
 
 
-@pytest.mark.parametrize("head_dim,dtype", [(64, torch.float32), (32, torch.float32), (64, torch.float64)],
-                         ids=["fast-path", "generic-float", "double"])
+@pytest.mark.parametrize("head_dim,dtype,kv_dtype", [(64, torch.float32, None), (32, torch.float32, None),
+                                                    (64, torch.float64, None), (64, torch.float32, torch.float16)],
+                         ids=["fast-path", "generic-float", "double", "float16-cache"])
 @pytest.mark.parametrize("window", [None, 24], ids=["causal", "window24"])
-def test_tree_batches_match_reference(kernel, head_dim, dtype, window):
+def test_tree_batches_match_reference(kernel, head_dim, dtype, kv_dtype, window):
     """Draft trees (9 nodes, wide and deep, some straddling a block edge; one of 40 nodes, more than
     a 16-key pass) beside decodes, linear verifies and a prefill chunk, in one batch."""
     from specplan.engine.model.attention_cpu import paged_attention_cpu, supports
@@ -386,7 +387,9 @@ def test_tree_batches_match_reference(kernel, head_dim, dtype, window):
              7: DraftTree(tokens=tuple(range(9)), parents=(-1,) + (0,) * 8)}  # 8 siblings: each sees the root only
     batch, num_blocks = tree_batch(specs, trees, 16, 21)
     q, k_cache, v_cache = make_tensors(batch, num_blocks, 16, 9, 3, head_dim, dtype, 21)
-    assert supports(batch, q.dtype, q.device)
+    if kv_dtype is not None:
+        k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    assert supports(batch, q.dtype, q.device, k_cache.dtype, head_dim)
     with torch.inference_mode():
         ref = reference(q, k_cache, v_cache, batch, window)
         out = paged_attention_cpu(q, k_cache, v_cache, batch, head_dim ** -0.5, window)

@@ -155,6 +155,32 @@ for fmt in ("q8_0", "q4_0", "q4_1"):
     qw, xq = QuantWeight.quantize(torch.randn(37, 64), fmt), torch.randn(11, 64)
     want = reference_linear(xq, qw)
     assert torch.allclose(QuantLinear(qw)(xq), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5), fmt
+# a float16 KV cache: written by rope_write_kv (F16C, or c10::Half without it), read by attention
+# (widened as loaded), against the same math in torch; one request verifying 3 tokens at 40 keys
+H, KVH, D, T, L = 4, 2, 64, 3, 40
+qkv = torch.randn(L, (H + 2 * KVH) * D)
+ang = torch.rand(64, D // 2) * 6
+cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+table = torch.tensor([[2, 0, 1]], dtype=torch.int32)  # position j lives in block table[j // 16], slot j % 16
+pos = torch.arange(L)
+slots = table[0].long()[pos // 16] * 16 + pos % 16
+caches = [torch.zeros(3, 16, KVH, D, dtype=dt) for dt in (torch.float16, torch.float16, torch.float32, torch.float32)]
+q = CpuKernelOps.rope_write_kv(qkv, pos, cos, sin, caches[0], caches[1], slots, H, KVH)
+TorchLayerOps.rope_write_kv(qkv, pos, cos, sin, caches[2], caches[3], slots, H, KVH)
+assert torch.equal(caches[1].float(), caches[3].half().float())  # values: the same rounding
+assert torch.allclose(caches[0].float(), caches[2], atol=2e-3, rtol=2e-3)
+k16, v16 = caches[0], caches[1]
+flat = lambda c: c.reshape(-1, KVH, D)  # row 16 b + o: block b, offset o
+args = (torch.tensor([0, T], dtype=torch.int32), torch.tensor([L], dtype=torch.int32), table, pos[L - T:])
+out = torch.ops.specplan_attn.paged_attention_cpu(q[L - T:].contiguous(), k16, v16, *args, D ** -0.5, 0, None)
+wide = torch.ops.specplan_attn.paged_attention_cpu(q[L - T:].contiguous(), k16.float(), v16.float(), *args, D ** -0.5, 0, None)
+assert torch.equal(out, wide)
+k, v = flat(k16.float())[slots], flat(v16.float())[slots]  # [L, KVH, D] in position order
+for i in range(T):
+    p = L - T + i
+    for h in range(H):
+        w = torch.softmax(k[:p + 1, h // 2] @ q[p, h] * D ** -0.5, 0)
+        assert torch.allclose(out[i, h], w @ v[:p + 1, h // 2], atol=1e-5)
 print("ok")
 """
 
