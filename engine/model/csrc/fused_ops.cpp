@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -193,8 +194,10 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, con
   const int64_t sv0 = v_cache.stride(0), sv1 = v_cache.stride(1), sv2 = v_cache.stride(2);
   const int64_t width = (H + 2 * KVH) * D;
   auto write = [&](auto* kp, auto* vp) {  // float* or at::Half*: the cache's element type
+    constexpr bool narrow = !std::is_same_v<std::remove_pointer_t<decltype(kp)>, float>;
     for_rows(N, width, [&](int64_t r0, int64_t r1) {
-      std::vector<float> rotated(D);  // one rotated key row, then stored in the cache's type
+      // A float cache takes the rotated key in place; a float16 one from a row rotated here first.
+      std::vector<float> rotated(narrow ? D : 0);
       for (int64_t i = r0; i < r1; ++i) {
         const float* row = in + i * width;
         const float* c = ct + pos[i] * D;
@@ -202,8 +205,13 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, con
         const int64_t block = slots[i] / bs, offset = slots[i] % bs;
         for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, D, qp + (i * H + h) * D);
         for (int64_t kv = 0; kv < KVH; ++kv) {
-          rotate(row + (H + kv) * D, c, s, D, rotated.data());
-          store_kv(rotated.data(), kp + block * sk0 + offset * sk1 + kv * sk2, D);
+          auto* key = kp + block * sk0 + offset * sk1 + kv * sk2;
+          if constexpr (narrow) {
+            rotate(row + (H + kv) * D, c, s, D, rotated.data());
+            store_kv(rotated.data(), key, D);
+          } else {
+            rotate(row + (H + kv) * D, c, s, D, key);
+          }
           store_kv(row + (H + KVH + kv) * D, vp + block * sv0 + offset * sv1 + kv * sv2, D);
         }
       }
