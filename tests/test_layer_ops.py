@@ -155,6 +155,74 @@ def test_decoder_layers_in_one_call_equal_the_per_op_loop(arch, tree):
     assert torch.equal(caches["stack"], caches["loop"]) and not torch.equal(caches["stack"], cache)
 
 
+def _team_model(scheme: str):
+    """A model whose products and attention are large enough to be split across threads (products
+    of >= 32 KB, attention over >= 256 row-keys), in float32 or quantised."""
+    from conftest import loaded_from_hf, tiny_hf_model
+    from specplan.engine.model.loader import quantize_model
+    from specplan.engine.model.transformer import Model
+
+    loaded = loaded_from_hf(tiny_hf_model("llama", dtype=torch.float32, num_hidden_layers=2, hidden_size=256,
+                                          intermediate_size=768, num_attention_heads=4, num_key_value_heads=2))
+    if scheme != "none":
+        loaded = quantize_model(loaded, scheme)
+    return loaded, Model(loaded.config, loaded.weights, "cpu", torch.float32)
+
+
+def _decode_batch(context: list[int], block_size: int, blocks_per_seq: int):
+    """One query token per sequence at position context[i] - 1, sequence i in its own blocks."""
+    from specplan.engine.batch import TokenBatch
+
+    n = len(context)
+    tables = [[i * blocks_per_seq + j for j in range(blocks_per_seq)] for i in range(n)]
+    positions = [c - 1 for c in context]
+    slots = [tables[i][p // block_size] * block_size + p % block_size for i, p in enumerate(positions)]
+    return TokenBatch(input_ids=torch.arange(3, 3 + n), positions=torch.tensor(positions),
+                      query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                      seq_lens=torch.tensor(context, dtype=torch.int32), slot_mapping=torch.tensor(slots),
+                      block_tables=torch.tensor(tables, dtype=torch.int32), logits_indices=torch.arange(n),
+                      query_lens_host=[1] * n, seq_lens_host=list(context))
+
+
+@pytest.mark.parametrize("scheme", ["none", "q4"])
+@pytest.mark.parametrize("context", [[300], [200, 17, 260, 5]], ids=["b1", "b4"])
+def test_decoder_team_equals_forking_per_kernel(monkeypatch, scheme, context):
+    """decoder_layers keeps its threads for the whole call (csrc/team.h) and hands each kernel's
+    chunks to them, instead of forking per kernel: the same split, so the same bits, in the hidden
+    states and in every K/V written (SPECPLAN_DECODER_TEAM=0 forks per kernel)."""
+    from specplan.engine.model_runner import allocate_kv_cache, layer_caches
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: there is no team to form")
+    loaded, model = _team_model(scheme)
+    block_size, per_seq = 16, 20
+    cache = allocate_kv_cache(loaded.config, per_seq * len(context), block_size, torch.float32, torch.device("cpu"))
+    cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(1)))  # the earlier context
+    out = {}
+    for team in ("1", "0"):
+        monkeypatch.setenv("SPECPLAN_DECODER_TEAM", team)
+        kv = cache.clone()
+        out[team] = (model.forward(_decode_batch(context, block_size, per_seq), layer_caches(kv), block_size), kv)
+    assert torch.equal(out["1"][0], out["0"][0]) and out["1"][0].abs().sum() > 0
+    assert torch.equal(out["1"][1], out["0"][1]) and not torch.equal(out["1"][1], cache)
+
+
+def test_decoder_team_passes_an_error_on_and_serves_the_next_call(monkeypatch):
+    """A check that fails inside the team (here attention's, on a block id past the cache) raises on
+    the calling thread as it would without a team, and the threads are released: the next call runs."""
+    from specplan.engine.model_runner import allocate_kv_cache, layer_caches
+
+    monkeypatch.setenv("SPECPLAN_DECODER_TEAM", "1")
+    loaded, model = _team_model("q4")
+    cache = allocate_kv_cache(loaded.config, 20, 16, torch.float32, torch.device("cpu"))
+    bad = _decode_batch([300], 16, 20)
+    bad.block_tables[0, 3] = 99  # no such block
+    with pytest.raises(RuntimeError, match="out of range"):
+        model.forward(bad, layer_caches(cache), 16)
+    good = model.forward(_decode_batch([300], 16, 20), layer_caches(cache), 16)
+    assert torch.isfinite(good).all()
+
+
 def test_every_kernel_file_feeds_the_build_id():
     """Profiles are keyed by cpu_kernels.build_id(): a kernel source or header left out of its hash
     would let a profile timed on other code be reused."""

@@ -134,8 +134,17 @@ def test_weight_prefetch_hint_follows_the_cpu_vendor(monkeypatch):
         assert built == name and f"-DSPECPLAN_WEIGHT_HINT={hint}" in cflags
     monkeypatch.setenv("SPECPLAN_WEIGHT_PREFETCH", "nta")
     assert cpu_kernels.build_config()[0] == "specplan_cpu_kernels_nta_avx512vnni"
+    monkeypatch.setenv("SPECPLAN_WEIGHT_PREFETCH", "t2")  # into L2, and 8 KB ahead: a build of its own
+    monkeypatch.setenv("SPECPLAN_WEIGHT_PREFETCH_BYTES", "8192")
+    built, cflags = cpu_kernels.build_config()
+    assert built == "specplan_cpu_kernels_pf8192_t2_avx512vnni"
+    assert {"-DSPECPLAN_WEIGHT_HINT=_MM_HINT_T2", "-DSPECPLAN_PREFETCH_BYTES=8192"} <= set(cflags)
+    monkeypatch.setenv("SPECPLAN_WEIGHT_PREFETCH_BYTES", "100")
+    with pytest.raises(ValueError, match="whole number of 64-byte lines"):
+        cpu_kernels.build_config()
+    monkeypatch.delenv("SPECPLAN_WEIGHT_PREFETCH_BYTES")
     monkeypatch.setenv("SPECPLAN_WEIGHT_PREFETCH", "l2")
-    with pytest.raises(ValueError, match="SPECPLAN_WEIGHT_PREFETCH must be one of t0, nta"):
+    with pytest.raises(ValueError, match="SPECPLAN_WEIGHT_PREFETCH must be one of t0, nta, t1, t2"):
         cpu_kernels.build_config()
 
 

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.cpp", "packed_linear.cpp", "quant_linear.cpp", "fused_ops.cpp",
                          "decoder_layers.cpp")]
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("kernels.h", "vec_math.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("kernels.h", "team.h", "vec_math.h")]
 # Python code that shapes a CPU step's speed beside the kernels (the KV cache's storage order, the
 # layer loop): part of build_id, so a profile timed on other code is measured again.
 _STEP_SOURCES = [Path(__file__).parent / "transformer.py", Path(__file__).parents[1] / "model_runner.py"]
@@ -61,8 +61,11 @@ def _cpu_flags() -> set[str]:
 # longer flushes the KV cache from them: SD off at B = 1 ran 1.034x the tokens/s of t0 (16 paired
 # rounds, null control 1.003x; 0.99-1.09x over three runs), B = 4 to 32 within the noise (Zen 4
 # EPYC, 2026-11-30, reports/weight-prefetch-zen4-s37). On an Intel Xeon it made B = 1 2.5x slower
-# (2026-11-29), so other CPUs keep t0. SPECPLAN_WEIGHT_PREFETCH=t0|nta overrides the choice.
-WEIGHT_PREFETCH_HINTS = {"t0": "_MM_HINT_T0", "nta": "_MM_HINT_NTA"}
+# (2026-11-29), so other CPUs keep t0. SPECPLAN_WEIGHT_PREFETCH=t0|nta|t1|t2 overrides the choice
+# (t1 / t2: into L2 and outward), SPECPLAN_WEIGHT_PREFETCH_BYTES the distance ahead (default 4096), for
+# scripts/weight_prefetch_ab.py; neither t1 / t2 nor 8 or 16 KB ahead beat the default beyond the
+# noise on the Zen 4 VM (2026-12-01, reports/README.md).
+WEIGHT_PREFETCH_HINTS = {"t0": "_MM_HINT_T0", "nta": "_MM_HINT_NTA", "t1": "_MM_HINT_T1", "t2": "_MM_HINT_T2"}
 
 
 def weight_prefetch() -> str:
@@ -109,7 +112,14 @@ def build_config() -> tuple[str, list[str]]:
     # The hint is part of the name, so each build is cached apart (the ISA stays last).
     hint = weight_prefetch()
     flags = flags + [f"-DSPECPLAN_WEIGHT_HINT={WEIGHT_PREFETCH_HINTS[hint]}"]
-    return f"specplan_cpu_kernels_{'nta_' if hint == 'nta' else ''}{isa}", flags + isa_flags[isa]
+    ahead = os.environ.get("SPECPLAN_WEIGHT_PREFETCH_BYTES")
+    tag = ""
+    if ahead:
+        if not ahead.isdigit() or int(ahead) % 64:
+            raise ValueError(f"SPECPLAN_WEIGHT_PREFETCH_BYTES must be a whole number of 64-byte lines, got {ahead!r}")
+        flags.append(f"-DSPECPLAN_PREFETCH_BYTES={int(ahead)}")
+        tag = f"pf{int(ahead)}_"
+    return f"specplan_cpu_kernels_{tag}{'' if hint == 't0' else hint + '_'}{isa}", flags + isa_flags[isa]
 
 
 def _ops_registered() -> bool:

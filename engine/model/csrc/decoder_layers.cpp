@@ -5,7 +5,8 @@
 // Why: a decode step makes about ten kernel calls per layer from Python, each paying interpreter
 // and dispatcher time before the kernel starts, beside attribute lookups and argument checks: a
 // visible share of a small model's B=1 step. Called from C++ they cost nothing measurable
-// (measured: reports/README.md#engine-measurements).
+// (measured: reports/README.md#engine-measurements). And their threads fork once per call, not once
+// per kernel (team.h).
 //
 //   decoder_layers(h [N, E], x [N, E], weights[6 L], biases[2 L], kv_caches[2 L], ...) -> [N, E]
 //
@@ -24,9 +25,12 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <optional>
 
 #include "kernels.h"
+#include "team.h"
 
 namespace specplan {
 
@@ -43,19 +47,30 @@ at::Tensor decoder_layers(at::Tensor h, at::Tensor x, at::TensorList weights,
   TORCH_CHECK(static_cast<int64_t>(biases.size()) == 2 * L, "biases must hold 2 entries per layer");
   TORCH_CHECK(h.dim() == 2 && x.sizes() == h.sizes(), "h and x must both be [N, hidden]");
   const int64_t N = h.size(0), E = h.size(1), D = cos.size(1), KVH = kv_caches[0].size(2);
-  for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = weights.data() + 6 * l;
-    const at::Tensor& k_cache = kv_caches[2 * l];
-    const at::Tensor& v_cache = kv_caches[2 * l + 1];
-    const int64_t intermediate = any_linear_in_features(w[3]);  // down's input width
-    const at::Tensor qkv = any_linear(x, w[0], (num_heads + 2 * KVH) * D, biases.get(2 * l));  // [N, (H + 2 KVH) D]
-    const at::Tensor q = rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, KVH);
-    const at::Tensor attn = paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                                positions, scale, sliding_window, tree_bits);  // [N, H, D]
-    const at::Tensor o = any_linear(attn.view({N, num_heads * D}), w[1], E, biases.get(2 * l + 1));  // [N, E]
-    x = add_rms_norm_(h, o, w[4], eps);
-    const at::Tensor act = silu_mul(any_linear(x, w[2], 2 * intermediate, std::nullopt));  // [N, I]
-    x = add_rms_norm_(h, any_linear(act, w[3], E, std::nullopt), w[5], eps);
+  auto layers = [&] {
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* w = weights.data() + 6 * l;
+      const at::Tensor& k_cache = kv_caches[2 * l];
+      const at::Tensor& v_cache = kv_caches[2 * l + 1];
+      const int64_t intermediate = any_linear_in_features(w[3]);  // down's input width
+      const at::Tensor qkv = any_linear(x, w[0], (num_heads + 2 * KVH) * D, biases.get(2 * l));  // [N, (H + 2 KVH) D]
+      const at::Tensor q = rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, KVH);
+      const at::Tensor attn = paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                                  positions, scale, sliding_window, tree_bits);  // [N, H, D]
+      const at::Tensor o = any_linear(attn.view({N, num_heads * D}), w[1], E, biases.get(2 * l + 1));  // [N, E]
+      x = add_rms_norm_(h, o, w[4], eps);
+      const at::Tensor act = silu_mul(any_linear(x, w[2], 2 * intermediate, std::nullopt));  // [N, I]
+      x = add_rms_norm_(h, any_linear(act, w[3], E, std::nullopt), w[5], eps);
+    }
+  };
+  // One fork for all the layers' threaded kernels (team.h): B = 1 Q4_1 steps 1.029x faster, B = 4
+  // 1.012x, B = 16-32 ~1.004x, null control 1.000x (scripts/decoder_team_ab.py, reports/decoder-team-zen4-s39).
+  // SPECPLAN_DECODER_TEAM=0 (read every call) forks per kernel as before: what the A/B compares.
+  const char* team = std::getenv("SPECPLAN_DECODER_TEAM");
+  if (team == nullptr || std::string(team) != "0") {
+    with_team(layers);
+  } else {
+    layers();
   }
   return x;
 }

@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "team.h"
 
 #include <atomic>
 #include <cmath>
@@ -56,10 +57,10 @@ inline void store8(float* p, F8 v) { std::memcpy(p, &v, sizeof(v)); }
 // fn(row_begin, row_end) over N rows of `width` floats, threaded only when it pays.
 template <typename Fn>
 void for_rows(int64_t N, int64_t width, const Fn& fn) {
-  if (N * width < kMinParallelFloats || at::get_num_threads() <= 1) {
+  if (N * width < kMinParallelFloats || specplan::num_threads() <= 1) {
     fn(0, N);
   } else {
-    at::parallel_for(0, N, kRowsPerTask, fn);
+    specplan::parallel_for(0, N, kRowsPerTask, fn);
   }
 }
 

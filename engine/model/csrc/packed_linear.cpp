@@ -42,6 +42,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "team.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -179,11 +180,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       }
     }
   };
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = specplan::num_threads();
   if (threads <= 1 || P * K * NR < kMinParallelFloats) {
     panels(0, P);
   } else {
-    at::parallel_for(0, P, (P + threads - 1) / threads, panels);
+    specplan::parallel_for(0, P, (P + threads - 1) / threads, panels);
   }
   return y;
 }

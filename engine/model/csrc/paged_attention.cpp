@@ -44,8 +44,8 @@
 // (scripts/bench_attention_shapes.py, two runs after, one before). Getting that back without
 // losing invariance needs ranges fixed by key index (say every 1024 keys) that every row of every
 // batch uses, merged in the same order, not ranges chosen from the batch's item count.
-// Threads of torch's intra-op pool (at::parallel_for;
-// hence -fopenmp at build time) pull items, costliest first, from a shared counter. Per item and
+// Threads of torch's intra-op pool (specplan::parallel_for, team.h: at::parallel_for, or the step's
+// team inside decoder_layers; hence -fopenmp at build time) pull items, costliest first, from a shared counter. Per item and
 // query row: online (streaming) softmax over the key blocks, accumulated in the input precision.
 // float with head_dim 64 or 128 (the common sizes): attend_rows, L keys per pass in L-lane (one register)
 // vectors with head_dim a compile-time constant and the G heads of a KV head sharing each load.
@@ -60,6 +60,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "team.h"
 
 #include "vec_math.h"
 
@@ -708,12 +709,12 @@ void run(const Args<T, KV>& a, const std::vector<WorkItem>& items) {
   int64_t total_cost = 0;
   for (const WorkItem& it : items) total_cost += it.cost * (it.kv_end - it.kv_begin);
   constexpr int64_t kMinParallelCost = 1 << 8;  // query rows x keys x KV heads
-  const int64_t threads = total_cost < kMinParallelCost ? 1 : std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t threads = total_cost < kMinParallelCost ? 1 : std::min<int64_t>(specplan::num_threads(), n);
   if (threads <= 1) {
     worker();
   } else {
     // One task per thread; each pulls items until none are left (dynamic load balance).
-    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    specplan::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) worker();
     });
   }
@@ -786,7 +787,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
   // all KV heads, so each block is read front to back once. With too few of those to keep the
   // threads busy (few requests), one item per KV head, and if still too few, smaller query chunks
   // (each re-reads the request's K/V, from cache by then).
-  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+  const int64_t threads = std::max<int64_t>(specplan::num_threads(), 1);
   auto count_chunks = [&](int64_t chunk) {
     int64_t n = 0;
     for (int64_t b = 0; b < B; ++b) n += (qsl[b + 1] - qsl[b] + chunk - 1) / chunk;

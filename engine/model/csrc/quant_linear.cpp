@@ -59,6 +59,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -109,7 +110,10 @@ constexpr int64_t kRowsPerQuantTask = 16;
 // leave the KV cache there (B = 1 ~1.03x the tokens/s on a Zen 4 EPYC, reports/weight-prefetch-zen4-s37);
 // T0 elsewhere: on an Intel Xeon NTA made the B = 1 closed cells 2.5x slower (97 vs 250 tok/s SD
 // off, 2026-11-29).
-constexpr int64_t kPrefetchBytes = 4096;
+#ifndef SPECPLAN_PREFETCH_BYTES
+#define SPECPLAN_PREFETCH_BYTES 4096
+#endif
+constexpr int64_t kPrefetchBytes = SPECPLAN_PREFETCH_BYTES;
 #ifndef SPECPLAN_WEIGHT_HINT
 #define SPECPLAN_WEIGHT_HINT _MM_HINT_T0
 #endif
@@ -200,15 +204,27 @@ inline int32_t quantize_block(const float* x, int8_t* q, float* d_out) {
 #endif
 }
 
+// Grows v to at least n elements and never shrinks it: a buffer reused across calls is zeroed
+// only where it grows (resize value-initialises), not every call.
+template <typename T>
+inline void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+// Fills this thread's QuantX and returns it: a decode step quantises the input of ~120 products,
+// and four fresh vectors each (allocated, zeroed, freed) were a visible share of a B = 1 step's
+// time outside the products (perf). Valid until this thread's next call; the product that asked
+// reads it from every thread before returning.
 template <Fmt F>
-QuantX quantize_x(const float* x, int64_t M, int64_t K) {
-  QuantX xq;
+const QuantX& quantize_x(const float* x, int64_t M, int64_t K) {
+  thread_local QuantX buffer;
+  QuantX& xq = buffer;  // a local name: lambdas capture it, where they would not capture a thread_local
   xq.K = K;
   xq.KB = K / QK;
-  xq.q.resize(M * K);
-  xq.d.resize(M * xq.KB);
-  xq.qsum.resize(M * xq.KB);
-  xq.s.resize(M * xq.KB);
+  grow(xq.q, M * K);
+  grow(xq.d, M * xq.KB);
+  grow(xq.qsum, M * xq.KB);
+  grow(xq.s, M * xq.KB);
   auto rows = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t b = 0; b < xq.KB; ++b) {
@@ -220,8 +236,8 @@ QuantX quantize_x(const float* x, int64_t M, int64_t K) {
       }
     }
   };
-  if (M >= 2 * kRowsPerQuantTask && at::get_num_threads() > 1) {
-    at::parallel_for(0, M, kRowsPerQuantTask, rows);
+  if (M >= 2 * kRowsPerQuantTask && specplan::num_threads() > 1) {
+    specplan::parallel_for(0, M, kRowsPerQuantTask, rows);
   } else {
     rows(0, M);
   }
@@ -428,7 +444,7 @@ void quant_product(const float* x, int64_t M, int64_t K, const uint8_t* packed, 
                    float* y) {
   using L = Layout<F>;
   const int64_t KB = K / QK;
-  const QuantX xq = quantize_x<F>(x, M, K);
+  const QuantX& xq = quantize_x<F>(x, M, K);
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
   auto panels = [&](int64_t p0, int64_t p1) {
     alignas(64) float acc[kGroupRows * NC];  // [group rows, 16]
@@ -460,11 +476,11 @@ void quant_product(const float* x, int64_t M, int64_t K, const uint8_t* packed, 
       }
     }
   };
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = specplan::num_threads();
   if (threads <= 1 || P * KB * L::bytes < kMinParallelBytes) {
     panels(0, P);
   } else {
-    at::parallel_for(0, P, (P + threads - 1) / threads, panels);
+    specplan::parallel_for(0, P, (P + threads - 1) / threads, panels);
   }
 }
 
