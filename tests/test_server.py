@@ -430,3 +430,19 @@ def test_cli_serve_bad_arguments_get_one_line(tmp_path):
     r = runner.invoke(app, ["serve", "--model", "/nonexistent/model"])
     assert r.exit_code == 2 and "does not exist" in r.output
     assert len([line for line in r.output.splitlines() if line.strip()]) == 1
+
+
+def test_startup_heap_is_frozen_while_serving_and_thawed_after(loaded):
+    """What is alive when the server starts stays out of the garbage collector's walks while it
+    serves (gc.freeze), and is handed back when it stops (a sweep builds and stops one server per
+    policy in one process: their engines must still be collectable)."""
+    import gc
+
+    from specplan.engine.server import create_app
+
+    gc.unfreeze()  # whatever an earlier test's server left: this one's own freeze is measured
+    app = create_app(make_engine(loaded), NAME, max_queued=8)
+    with ServerThread(app) as s:
+        assert gc.get_freeze_count() > 0
+        assert httpx.get(s.url + "/health").json() == {"status": "ok"}
+    assert gc.get_freeze_count() == 0
