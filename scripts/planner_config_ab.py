@@ -20,6 +20,9 @@ Variants (``--variants``, comma-separated):
              that `serve` or `generate` ran before starts from, against the cold planner
   other-profile  the shipped planner with the profile given by ``--other-profile`` (two profiles
              of one engine, e.g. one measured by an older profiler, paired on the same cells)
+  dearer-2   ``DraftSlopeConfig(dearer_significance=2.0)``: believe a dearer draft price only two
+             standard errors off the profile's, as a cheaper one (planner/drift.py)
+  pinned-price  the draft price held at the profile's (slope and jump priors of 1e6 and 1e8 units)
   again      the shipped planner a second time: the null control of the comparison
 
     python scripts/planner_config_ab.py --quantize gguf --profile reports/profile-xeon-q4_1/profile.json \\
@@ -58,6 +61,8 @@ VARIANTS = {
     "fp32-ceiling": {"profile": "fp32-ceiling"},
     "warm": {"warm": True},
     "other-profile": {"profile": "other"},
+    "dearer-2": {"draft_slope": DraftSlopeConfig(dearer_significance=2.0)},
+    "pinned-price": {"draft_slope": DraftSlopeConfig(prior_units=1e6, jump_prior_units=1e8)},
     "again": {},
 }
 SHIPPED = "goodput"
