@@ -64,13 +64,44 @@ def summary(ratios: list[float]) -> dict:
             "share_team_faster": sum(x > 1 for x in xs) / len(xs)}
 
 
+def plot(path: Path) -> Path:
+    """The JSON's medians and quartiles per batch size, beside the null control's, as a PNG next to it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(path.read_text())
+    batches = list(data["cells"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for offset, arm in ((-0.18, "team vs fork"), (0.18, "null control")):
+        cells = [data["cells"][b][arm] for b in batches]
+        med = [c["median"] for c in cells]
+        err = [[m - c["q25"] for m, c in zip(med, cells)], [c["q75"] - m for m, c in zip(med, cells)]]
+        ax.bar([i + offset for i in range(len(batches))], med, width=0.36, yerr=err, capsize=3, label=arm)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(batches)), [f"B={b}" for b in batches])
+    ax.set_ylim(0.9, 1.1)
+    ax.set_ylabel("fork / team step time (median, IQR)")
+    ax.set_title(f"decoder team, {data['weights']} weights, adjacent steps paired")
+    ax.legend()
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quantize", default="gguf", help="load_model's scheme (gguf: the embedded Q4_1 GGUF; none: fp32)")
     ap.add_argument("--batch-sizes", default="1,4,16,32")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--out", type=Path, required=True, help="JSON file")
+    ap.add_argument("--out", type=Path, required=True, help="JSON file (and a PNG beside it)")
+    ap.add_argument("--replot", action="store_true", help="only draw the PNG of an existing --out")
     args = ap.parse_args()
+    if args.replot:
+        print(f"wrote {plot(args.out)}")
+        return
     if not cpu_kernels.load():
         raise SystemExit("the C++ CPU kernels are not available here: there is no decoder team to measure")
     loaded = load_model(None, quantize=args.quantize)
@@ -90,7 +121,7 @@ def main() -> None:
     args.out.write_text(json.dumps({"measured": f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}",
                                     "machine": machine_info(), "kernels": cpu_kernels.build_id(),
                                     "weights": args.quantize, "cells": cells}, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} and {plot(args.out)}")
 
 
 if __name__ == "__main__":
