@@ -9,7 +9,7 @@
 // not a fork. Measured step by step (scripts/decoder_team_ab.py, reports/decoder-team-zen4-s39):
 // B = 1 steps 1.029x faster, B = 4 1.012x, B = 16 and 32 ~1.004x, null control 1.000x; libgomp
 // 3% of the caller's samples. What the caller still waits for is mostly its helper finishing the
-// same share of a product later (~12% longer on that VM's second core); chunks claimed first come
+// same share of a product later (12% longer in one perf run, 2% in another); chunks claimed first come
 // first served instead of equal shares were slower (0.956x at B = 1), so the shares stay equal.
 //
 //   with_team(body)              body runs on the calling thread (the leader); the other threads
