@@ -11,7 +11,7 @@ its own (the heuristic does), keyed by ``seq_id``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from ..profiler.latency_model import DraftCost, LatencyModel, StepShape
@@ -84,6 +84,10 @@ class PolicyState:
     sla_itl_s: float | None = None  # predicted step time must stay under this
     draft_budget: int | None = None  # drafts the step can carry in all (the engine's token budget)
     roofline: Roofline | None = None
+    # slope -> the StepCostModel built at it (``cost_model``): the policy's plan, the planner's
+    # pause and its predicted step time ask the same step's cost, and each model keeps the curve
+    # it priced, so one pricing serves them all.
+    _cost_models: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -101,13 +105,19 @@ class PolicyState:
 
     def cost_model(self, draft_slope: float | None = None) -> StepCostModel:
         """The step's cost as a function of its drafts, at the learned slope unless told otherwise;
-        the prefill chunks' share of the base step is not charged to the decodes."""
+        the prefill chunks' share of the base step is not charged to the decodes. Built once per
+        slope: later questions (after the planner has learned from the step) read the prices the
+        decision was made at."""
         pricing = self.pricing
         if pricing.latency is None:
             raise ValueError("this policy needs a latency model (a profile); none was given to the planner")
         slope = pricing.draft_slope if draft_slope is None else draft_slope
-        return StepCostModel(pricing.latency, self.base, pricing.draft_cost, pricing.overhead_s, slope,
-                             pricing.draft_jump, shared_s=self._prefill_seconds(), model_drafted=self.model_drafted)
+        cost = self._cost_models.get(slope)
+        if cost is None:
+            cost = self._cost_models[slope] = StepCostModel(
+                pricing.latency, self.base, pricing.draft_cost, pricing.overhead_s, slope, pricing.draft_jump,
+                shared_s=self._prefill_seconds(), model_drafted=self.model_drafted)
+        return cost
 
     @property
     def model_drafted(self) -> tuple[bool, ...]:

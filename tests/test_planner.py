@@ -1452,6 +1452,15 @@ def test_planner_predicts_the_step_it_chose():
     drafting = Planner(make_policy("static:3"), FLAT)
     assert drafting.decide(view(4, context=400)) == [3] * 4
     assert drafting.predicted_step_s > off.predicted_step_s  # 12 drafts are never free (MIN_DRAFT_INCREMENT)
+    # Read after the step was learned from (the server does), it is still the step as priced when
+    # chosen: a step twice as slow as predicted moves the drift correction, not that prediction.
+    priced = drafting.predicted_step_s
+    latency = drafting.last_state.pricing.latency
+    before = latency.predict(drafting.last_state.base)
+    for _ in range(3):
+        drafting.observe(record([3] * 4, [0.5] * 4, random.Random(0), forward_s=2 * priced, total_s=2 * priced))
+    assert latency.predict(drafting.last_state.base) > before  # the correction did move
+    assert drafting.predicted_step_s == priced
     without_model = Planner(make_policy("static:3"))
     without_model.decide(view(2))
     assert without_model.predicted_step_s is None

@@ -97,8 +97,10 @@ class NgramIndex:
         else:  # a decode step's few tokens
             lo_n, hi_n = self.min_n, self.max_n
             for e in range(first, last_end + 1):
-                for n in range(lo_n, min(hi_n, e) + 1):
-                    index[tuple(toks[e - n:e])] = e
+                top = min(hi_n, e)
+                longest = tuple(toks[e - top:e])  # the shorter n-grams ending at e are its tails
+                for n in range(lo_n, top + 1):
+                    index[longest[top - n:]] = e
         if last_end > self._indexed_end:
             self._indexed_end = last_end
 
@@ -119,8 +121,10 @@ class NgramIndex:
         occurrence, or (0, -1) when nothing matches. Call :meth:`update` first."""
         toks, index = self.toks, self._index
         L = len(toks)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            e = index.get(tuple(toks[L - n:L]))
+        top = min(self.max_n, L - 1)
+        suffix = tuple(toks[L - top:]) if top > 0 else ()  # the shorter suffixes are its tails
+        for n in range(top, self.min_n - 1, -1):
+            e = index.get(suffix[top - n:])
             if e is not None:
                 return n, e
         return 0, -1
