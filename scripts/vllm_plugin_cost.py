@@ -27,7 +27,7 @@ import numpy as np
 
 from specplan.bench.caches import CacheSweep
 from specplan.integrations.vllm import PlanningDrafter, PluginOptions
-from specplan.integrations.vllm_lookup import make_lookup
+from specplan.integrations.vllm_lookup import NgramLookup, compiled_scan, make_lookup
 
 MAX_LEN = 2048
 
@@ -78,7 +78,7 @@ class _SimulatedTime:
 def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer: str,
              seed: int = 0, screen_reuse_steps: int | None = None, yardstick: list[float] | None = None,
              copy_share: float = 0.5, flush_mib: int = 0, fixed_clocks: bool = False,
-             answers: list | None = None) -> tuple[PlanningDrafter, list[float]]:
+             answers: list | None = None, ngram_scan: bool = False) -> tuple[PlanningDrafter, list[float]]:
     """Drive the drafter as vLLM would: B rows, greedy verification against each row's target.
     ``yardstick``: a list to append ``yardstick_s()`` to after every call; ``copy_share``: how often
     the rows' text copies itself (0.5: the lookups' drafts often pay; 0.1: chat-like, few do);
@@ -87,7 +87,8 @@ def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer:
     ``fixed_clocks``: the plugin and the planner read the simulation's clock only (their own time
     reads 0, so the pause never finds planning too dear and the overhead learner learns 0): the
     decisions are then the same from run to run and from one source tree to another, and the
-    calls timed are all planned ones. ``answers``: a list to append every call's drafts to."""
+    calls timed are all planned ones. ``answers``: a list to append every call's drafts to.
+    ``ngram_scan``: the n-gram lookup's compiled scan (needs numba), as in vLLM, else its index."""
     from specplan.profiler.fit import HingeLatencyModel
     from specplan.profiler.latency_model import StepShape
 
@@ -111,7 +112,8 @@ def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer:
 
         planner.config = dataclasses.replace(planner.config, screen_reuse_steps=screen_reuse_steps)
     sim_now = [0.0]
-    drafter = PlanningDrafter(planner, 8, MAX_LEN, 4096, lookup=make_lookup(proposer), clock=lambda: sim_now[0])
+    lookup = NgramLookup(scan=True) if ngram_scan and proposer == "ngram" else make_lookup(proposer)
+    drafter = PlanningDrafter(planner, 8, MAX_LEN, 4096, lookup=lookup, clock=lambda: sim_now[0])
     if fixed_clocks:
         import specplan.integrations.vllm as plugin_module
 
@@ -270,6 +272,7 @@ def run_vllm(args) -> None:
     model = model_dir(args.model)
     stats_path = Path(tempfile.mkdtemp()) / "stats.json"
     options = PluginOptions(policy=args.policy, profile=args.profile, proposer=args.proposer,
+                            ngram_scan=args.ngram_scan is not False,
                             stats_path=str(stats_path))
     os.environ.update(options.to_env())
     cprofile_path = stats_path.with_suffix(".pstats")
@@ -335,6 +338,9 @@ def main() -> None:
     ap.add_argument("--fixed-clocks", action="store_true",
                     help="offline: the plugin and planner read the simulated clock only (the same decisions from run to "
                          "run and between source trees; every call planned; the plugin's own phase times then read 0); prints a digest of the drafts")
+    ap.add_argument("--ngram-scan", action=argparse.BooleanOptionalAction, default=None,
+                    help="the n-gram lookup's compiled scan, or its index (default: the scan where numba is "
+                         "importable, as the plugin in vLLM; offline in vLLM's environment)")
     ap.add_argument("--cprofile", action="store_true", help="print the top functions (offline: by cumulative time; --vllm: by own time, the calls in vLLM's worker)")
     ap.add_argument("--planner-breakdown", action="store_true",
                     help="offline: the planner's functions' inclusive ms per call (wrapped timers, ~0.3 us each)")
@@ -353,7 +359,9 @@ def main() -> None:
         prof.enable()
     yard: list[float] = []
     answers: list = []
-    drafter, costs = simulate(args.batch, args.steps, args.policy, args.profile, args.proposer,
+    scan = args.ngram_scan if args.ngram_scan is not None else compiled_scan() is not None
+    print(f"n-gram lookup: {'compiled scan' if scan else 'index'}")
+    drafter, costs = simulate(args.batch, args.steps, args.policy, args.profile, args.proposer, ngram_scan=scan,
                               screen_reuse_steps=args.screen_reuse_steps, yardstick=yard,
                               copy_share=args.copy_share, flush_mib=args.flush_mib, fixed_clocks=args.fixed_clocks,
                               answers=answers)

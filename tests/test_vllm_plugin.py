@@ -12,6 +12,9 @@ import gc
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +23,7 @@ import pytest
 from specplan.engine.decider import StepRecord, StepView
 from specplan.integrations.vllm import (PlanningDrafter, PluginConfigError, PluginOptions, build_planner,
                                         check_vllm_version)
-from specplan.integrations.vllm_lookup import NgramLookup, SuffixLookup
+from specplan.integrations.vllm_lookup import BatchTokens, NgramLookup, SuffixLookup
 from specplan.integrations.vllm_rows import RowTracker
 
 MAX_LEN = 64
@@ -85,25 +88,71 @@ def test_rows_follow_requests_when_the_batch_condenses():
     assert a not in {r.request.seq_id for r in second.decodes}
 
 
-def test_the_plugins_ngram_lookup_drafts_what_the_engines_proposer_drafts():
+# Set by ``test_the_compiled_ngram_scan_*`` for the run of this file it starts in a process of its
+# own: the scan compiled by numba, as the plugin runs it in vLLM (importing numba in this process
+# would break the in-process vLLM starts of the tests below; see ``vllm_env``).
+COMPILED_SCAN = os.environ.get("SPECPLAN_TEST_NGRAM_SCAN") == "1"
+
+
+def scanning_lookup(**kwargs) -> NgramLookup:
+    """The plugin's n-gram lookup in its scan form, running ``scan_rows`` uncompiled (numba
+    compiles the same function inside vLLM; CI has no numba), or compiled under COMPILED_SCAN."""
+    from specplan.engine.proposers.ngram import scan_rows
+
+    if COMPILED_SCAN:
+        return NgramLookup(**kwargs, scan=True)
+    lookup = NgramLookup(**kwargs)
+    lookup._scan = scan_rows
+    return lookup
+
+
+@pytest.mark.parametrize("params", [{}, {"min_n": 2, "max_n": 3, "max_match_length": 5},
+                                    {"min_n": 1, "max_n": 1, "max_match_length": 4}])
+def test_the_plugins_ngram_lookup_drafts_what_the_engines_proposer_drafts(params):
     # The plugin's lookup wraps the engine's n-gram index over the tokens the tracker mirrors; its
     # drafts, natural length and match length must be the engine proposer's for the same tokens:
-    # caps from 0 to past the tokens available, texts of a few symbols (matches everywhere).
+    # caps from 0 to past the tokens available, texts of a few symbols (matches everywhere). The
+    # scan form reads the same tokens from vLLM-shaped rows (wider than the text, requests in
+    # shuffled rows, spare rows) and must answer the same.
     import random
 
     from specplan.engine.proposers.ngram import NgramProposer
 
+    engine_params = {k: v for k, v in params.items() if k != "max_match_length"}
     rng = random.Random(7)
-    for _ in range(40):
+
+    def text() -> list[int]:
+        length = rng.randint(1, MAX_LEN)
+        if rng.random() < 0.5:  # few symbols, or many
+            vocab = rng.choice([2, 3, 30])
+            return [rng.randrange(vocab) for _ in range(length)]
+        period = [rng.randrange(30) for _ in range(rng.randint(2, 6))]  # copied passages: long matches
+        return [period[i % len(period)] if rng.random() < 0.95 else 99 for i in range(length)]
+
+    for _ in range(80):
         tracker = RowTracker()
-        requests = [tracker._new([rng.randrange(rng.choice([3, 30])) for _ in range(rng.randint(1, MAX_LEN))])
-                    for _ in range(rng.randint(1, 6))]
+        requests = [tracker._new(text()) for _ in range(rng.randint(1, 6))]
         caps = [rng.choice([0, 1, 3, 8]) for _ in requests]
-        got = NgramLookup().lookup(requests, caps)
-        want = NgramProposer().propose(requests, caps)  # a TrackedRequest reads as an engine Sequence
-        for i, f in enumerate(got):
+        got = NgramLookup(**params).lookup(requests, caps)
+        want = NgramProposer(**engine_params, max_match_length=params.get("max_match_length", 16)).propose(
+            requests, caps)  # a TrackedRequest reads as an engine Sequence
+        batch = Batch(rows=len(requests) + 2)
+        rows = rng.sample(range(batch.lens.shape[0]), len(requests))
+        for t, row in zip(requests, rows):
+            batch.put(row, t.toks)
+        scanned = scanning_lookup(**params).lookup(requests, caps, BatchTokens(batch.toks, batch.lens, rows))
+        for i, (f, g) in enumerate(zip(got, scanned)):
             expected = (want.token_ids[i], want.natural_k[i], want.match_length[i]) if want.token_ids[i] else ([], 0, 0)
             assert (f.drafts, f.natural_k, f.match_length) == expected
+            assert (g.drafts, g.natural_k, g.match_length) == expected
+
+
+def test_the_ngram_scan_without_numba_says_how_to_get_it():
+    if importlib.util.find_spec("numba") is not None:
+        pytest.skip("numba is installed here")
+    with pytest.raises(ValueError, match="pip install numba"):
+        NgramLookup(scan=True)
+    assert NgramLookup().form == "ngram-index"
 
 
 def test_rows_that_keep_their_request_are_matched_on_the_fast_path():
@@ -246,9 +295,9 @@ def test_a_step_the_planner_screens_out_looks_nothing_up():
     class CountingLookup(NgramLookup):
         asked = 0
 
-        def lookup(self, requests, caps):
+        def lookup(self, requests, caps, tokens=None):
             CountingLookup.asked += sum(1 for c in caps if c)
-            return super().lookup(requests, caps)
+            return super().lookup(requests, caps, tokens)
 
     planner = Screening(k=3)
     drafter = PlanningDrafter(planner, 4, MAX_LEN, max_num_batched_tokens=256, lookup=CountingLookup())
@@ -399,6 +448,10 @@ def vllm_env(tiny_model_dir):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: one startup is enough
+    # vLLM-CPU 0.32's worker start walks every loaded module and fails on llvmlite's library wrapper
+    # once numba was imported in the process, so the engines started here one after another look
+    # drafts up with the index; ``test_the_compiled_ngram_scan_in_vllm`` runs the scan in vLLM.
+    mp.setenv("SPECPLAN_NGRAM_SCAN", "1" if COMPILED_SCAN else "0")
     yield mp
     mp.undo()
 
@@ -431,8 +484,34 @@ def test_plugin_in_vllm_matches_vllm_off(policy, proposer, vllm_env, vllm_off, t
     out, stats = run_plugin(vllm_env, tiny_model_dir, tmp_path / "stats.json", **env)
     assert out == vllm_off  # greedy: token for token what vLLM emits without speculation
     assert stats["calls"] > 0 and stats["drafts_proposed"] > 0 and stats["steps_observed"] > 0
+    assert stats["lookup"] == ("suffix-tree" if proposer == "suffix" else
+                               "ngram-scan" if COMPILED_SCAN else "ngram-index")
     assert stats["own_s"] > 0 and sum(stats["phase_s"].values()) <= stats["own_s"]
     print(f"{policy} {proposer}: {stats}")
+
+
+def run_this_file_compiled(selection: str) -> None:
+    """Run the tests ``selection`` (pytest -k) of this file in a process of their own with the
+    n-gram scan compiled (COMPILED_SCAN)."""
+    env = {**os.environ, "SPECPLAN_TEST_NGRAM_SCAN": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selection],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_compiled_ngram_scan_finds_what_the_index_finds():
+    """numba's compilation of ``scan_rows`` (int32 rows as vLLM keeps them) against the engine's index."""
+    run_this_file_compiled("drafts_what_the_engines_proposer_drafts")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_compiled_ngram_scan_in_vllm():
+    """The plugin as it runs by default: the scan compiled in vLLM's worker, greedy output token
+    for token vLLM's without speculation, drafts proposed, the counters naming the scan."""
+    run_this_file_compiled("test_plugin_in_vllm_matches_vllm_off and goodput-ngram")
 
 
 @needs_vllm

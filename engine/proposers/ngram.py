@@ -155,6 +155,65 @@ class NgramIndex:
         return m
 
 
+def scan_rows(token_ids, lens, rows, caps, min_n, max_n, max_match_length, drafts, found) -> None:
+    """``NgramIndex.lookup`` for many rows of a token array at once, by scanning instead of
+    indexing: the same drafts, available tokens and match length, for a compiler (the vLLM plugin
+    compiles it with numba, which vLLM ships, and runs it over vLLM's own token rows: no index to
+    build over a new prompt and no Python per row; specplan/integrations/vllm_lookup.py). Plain
+    Python over arrays, so it also runs (slowly) uncompiled, as the tests run it.
+
+    token_ids [R, max_len] and lens [R]: row r holds token_ids[r, :lens[r]]; rows [B] and caps [B]:
+    the row and the most drafts for each of B requests. Writes drafts [B, >= max(caps)] (the first
+    found[i, 0] entries of row i) and found [B, 3]: (drafts written, available, match length),
+    zeros where nothing matches or caps[i] <= 0.
+
+    The scan: walking the end positions e = L-1, L-2, ..., 1 of a row of length L, the tokens
+    before e agree with the row's last tokens over some length j (capped at n_top = min(max_n,
+    L - 1)). The longest n-gram that matches is the largest j seen, and its most recent
+    occurrence the first e where it was seen; a j of n_top ends the walk. Worked example:
+    t = [7, 8, 9, 7, 8], L = 5, max_n 4 (n_top 4): e = 4 (t[3] = 7 against 8: no), e = 3
+    (t[2] = 9: no), e = 2 (t[1] = 8 = t[4], t[0] = 7 = t[3], then e runs out: j = 2): n = 2, e = 2,
+    drafts t[2:] = [9, 7, 8], available 3."""
+    for i in range(rows.shape[0]):
+        found[i, 0] = 0
+        found[i, 1] = 0
+        found[i, 2] = 0
+        k = caps[i]
+        if k <= 0:
+            continue
+        row = rows[i]
+        length = lens[row]
+        top = min(max_n, length - 1)
+        if top < min_n:
+            continue
+        last = token_ids[row, length - 1]
+        best_n, best_e = 0, -1
+        e = length - 1
+        while e >= 1:
+            if token_ids[row, e - 1] == last:
+                j = 1
+                while j < top and j < e and token_ids[row, e - 1 - j] == token_ids[row, length - 1 - j]:
+                    j += 1
+                if j > best_n:
+                    best_n, best_e = j, e
+                    if j == top:
+                        break
+            e -= 1
+        if best_n < min_n:
+            continue
+        available = length - best_e
+        n = min(k, available)
+        for x in range(n):
+            drafts[i, x] = token_ids[row, best_e + x]
+        m = best_n  # as NgramIndex.match_length
+        limit = min(max_match_length, best_e)
+        while m < limit and token_ids[row, best_e - m - 1] == token_ids[row, length - 1 - m]:
+            m += 1
+        found[i, 0] = n
+        found[i, 1] = available
+        found[i, 2] = m
+
+
 class _NgramState:
     __slots__ = ("mirror", "index")
 

