@@ -303,6 +303,23 @@ def run_vllm(args) -> None:
     if own:
         print(f"in vLLM's worker: yardstick median {1e3 * statistics.median(yard):.3f} ms; the plugin at B={args.batch} "
               f"{statistics.median(own) / statistics.median(yard):.2f} yardsticks (median call / median yardstick)")
+    write_summary(args, stats, own, yard, tok_per_s=tokens / elapsed)
+
+
+def write_summary(args, stats: dict, own: list[float], yard: list[float], **extra) -> None:
+    """``--json``: one run's numbers (scripts/plugin_lookup_ab.py reads them)."""
+    if not args.json:
+        return
+    calls = max(stats["calls"], 1)
+    summary = {"mode": "vllm" if args.vllm else "offline", "batch": args.batch, "lookup": stats.get("lookup"),
+               "median_ms": 1e3 * statistics.median(own) if own else None,
+               "mean_ms": 1e3 * stats["own_s"] / calls, "max_ms": 1e3 * stats["own_s_max"],
+               "phase_ms": {k: 1e3 * v / calls for k, v in stats["phase_s"].items()},
+               "yardstick_ms": 1e3 * statistics.median(yard) if yard else None,
+               "yardsticks": statistics.median(own) / statistics.median(yard) if own and yard else None,
+               "calls": stats["calls"], "drafts_proposed": stats["drafts_proposed"],
+               "drafts_accepted": stats["drafts_accepted"], **extra}
+    Path(args.json).write_text(json.dumps(summary, indent=1))
 
 
 def _prompts(tokenizer, n: int, workloads: str | None = None) -> list[list[int]]:
@@ -338,6 +355,7 @@ def main() -> None:
     ap.add_argument("--fixed-clocks", action="store_true",
                     help="offline: the plugin and planner read the simulated clock only (the same decisions from run to "
                          "run and between source trees; every call planned; the plugin's own phase times then read 0); prints a digest of the drafts")
+    ap.add_argument("--json", default=None, help="write this run's summary (ms, phases, yardsticks) to this file")
     ap.add_argument("--ngram-scan", action=argparse.BooleanOptionalAction, default=None,
                     help="the n-gram lookup's compiled scan, or its index (default: the scan where numba is "
                          "importable, as the plugin in vLLM; offline in vLLM's environment)")
@@ -365,11 +383,12 @@ def main() -> None:
                               screen_reuse_steps=args.screen_reuse_steps, yardstick=yard,
                               copy_share=args.copy_share, flush_mib=args.flush_mib, fixed_clocks=args.fixed_clocks,
                               answers=answers)
+    digest = None
     if args.fixed_clocks:
         import hashlib
 
-        print(f"drafts digest {hashlib.sha256(json.dumps(answers).encode()).hexdigest()[:16]} "
-              f"(the same decisions give the same digest)")
+        digest = hashlib.sha256(json.dumps(answers).encode()).hexdigest()[:16]
+        print(f"drafts digest {digest} (the same decisions give the same digest)")
     if args.cprofile:
         prof.disable()
         pstats.Stats(prof).sort_stats(os.environ.get("SORT", "cumulative")).print_stats(35)
@@ -383,6 +402,7 @@ def main() -> None:
     print(f"offline, warm calls: median {1e3 * statistics.median(warm):.3f} ms, "
           f"p90 {1e3 * sorted(warm)[int(0.9 * len(warm))]:.3f} ms; "
           f"{statistics.median(warm) / statistics.median(yard[len(yard) // 5:]):.2f} yardsticks (yardstick_s)")
+    write_summary(args, stats, warm, yard[len(yard) // 5:], digest=digest)
 
 
 if __name__ == "__main__":
