@@ -405,7 +405,8 @@ class Planner:
         cost = state.cost_model()
         n = len(ks)
         off_s = cost.charged_seconds((0,) * n)
-        tokens = sum(r.acceptance.expected_emitted(k) for r, k in zip(state.requests, ks))
+        # A request given no draft emits its one token (expected_emitted(0) is 1.0, the same float).
+        tokens = sum(r.acceptance.expected_emitted(k) if k else 1.0 for r, k in zip(state.requests, ks))
         return tokens * off_s / n - cost.charged_seconds(ks)
 
     def _confident_drafts(self, state: PolicyState, ks: list[int]) -> tuple[list[int], ConfidenceStop]:

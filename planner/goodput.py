@@ -103,9 +103,12 @@ class StepCostModel:
 
     def passes(self, ks: Sequence[int]) -> int:
         """Draft-model passes a step with these drafts runs: the deepest model-drafted k."""
-        if self.model_drafted is None:
+        drafted = self.model_drafted
+        if drafted is None:
             return max(ks, default=0)
-        return max((k for k, m in zip(ks, self.model_drafted) if m), default=0)
+        if True not in drafted:  # every draft looked up (an n-gram step at B = 32: asked several times a step)
+            return 0
+        return max((k for k, m in zip(ks, drafted) if m), default=0)
 
     def target_seconds_list(self, max_drafts: int) -> list[float]:
         """[>= max_drafts + 1]: ``target_seconds(n)`` for n = 0, 1, ..., max_drafts, priced at once
