@@ -327,8 +327,13 @@ def test_fast_built_views_and_records_equal_the_engines():
 def test_options_from_the_environment_round_trip():
     opts = PluginOptions(policy="static:2", profile="/p.json", proposer="suffix", sla_itl_ms=50.0, max_k=4)
     assert PluginOptions.from_env(opts.to_env()) == opts
+    index = PluginOptions(ngram_scan=False)
+    assert index.to_env()["SPECPLAN_NGRAM_SCAN"] == "0" and PluginOptions.from_env(index.to_env()) == index
+    assert PluginOptions.from_env({}).ngram_scan  # the scan unless told otherwise
     with pytest.raises(PluginConfigError, match="SPECPLAN_PROPOSER='draft' is not one of ngram, suffix"):
         PluginOptions.from_env({"SPECPLAN_PROPOSER": "draft"})
+    with pytest.raises(PluginConfigError, match="SPECPLAN_NGRAM_SCAN='yes' is not 0 or 1"):
+        PluginOptions.from_env({"SPECPLAN_NGRAM_SCAN": "yes"})
 
 
 def test_the_real_planner_with_a_static_policy():
