@@ -307,7 +307,7 @@ def run_vllm(args) -> None:
 
 
 def write_summary(args, stats: dict, own: list[float], yard: list[float], **extra) -> None:
-    """``--json``: one run's numbers (scripts/plugin_lookup_ab.py reads them)."""
+    """``--json``: one run's numbers (scripts/plugin_cost_ab.py reads them)."""
     if not args.json:
         return
     calls = max(stats["calls"], 1)
