@@ -27,7 +27,7 @@ import numpy as np
 
 from specplan.bench.caches import CacheSweep
 from specplan.integrations.vllm import PlanningDrafter, PluginOptions
-from specplan.integrations.vllm_lookup import NgramLookup, compiled_scan, make_lookup
+from specplan.integrations.vllm_lookup import compiled_scan, make_lookup
 
 MAX_LEN = 2048
 
@@ -112,8 +112,8 @@ def simulate(batch: int, steps: int, policy: str, profile: str | None, proposer:
 
         planner.config = dataclasses.replace(planner.config, screen_reuse_steps=screen_reuse_steps)
     sim_now = [0.0]
-    lookup = NgramLookup(scan=True) if ngram_scan and proposer == "ngram" else make_lookup(proposer)
-    drafter = PlanningDrafter(planner, 8, MAX_LEN, 4096, lookup=lookup, clock=lambda: sim_now[0])
+    drafter = PlanningDrafter(planner, 8, MAX_LEN, 4096, lookup=make_lookup(proposer, ngram_scan=ngram_scan),
+                              clock=lambda: sim_now[0])
     if fixed_clocks:
         import specplan.integrations.vllm as plugin_module
 

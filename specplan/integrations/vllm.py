@@ -69,7 +69,7 @@ from specplan.planner.pause import PauseConfig
 from specplan.policies import make_policy
 from specplan.profiler.vllm_timer import VLLM_KERNELS_PREFIX, scheduled_tokens, vllm_kernels
 
-from .vllm_lookup import LOOKUPS, BatchTokens, Found, Lookup, NgramLookup, compiled_scan, make_lookup
+from .vllm_lookup import LOOKUPS, BatchTokens, Found, Lookup, compiled_scan, make_lookup
 from .vllm_rows import BatchRows, RowTracker
 
 log = logging.getLogger("specplan.vllm")
@@ -449,12 +449,11 @@ class SpecplanProposer(PlanningDrafter):
         planner = build_planner(options, num_speculative_tokens=k, hf_config=model.hf_config,
                                 dtype=str(model.dtype).removeprefix("torch."),
                                 kernels=vllm_kernels(vllm.__version__, device))
-        lookup = make_lookup(options.proposer)
-        if options.proposer == "ngram" and options.ngram_scan:
-            if compiled_scan() is not None:  # numba, a dependency of vLLM's own n-gram proposer
-                lookup = NgramLookup(scan=True)
-            else:
-                log.warning("specplan: numba is not importable; the n-gram lookup indexes each request instead")
+        scan = options.ngram_scan and options.proposer == "ngram"
+        if scan and compiled_scan() is None:  # numba comes with vLLM (its own n-gram proposer uses it)
+            log.warning("specplan: numba is not importable; the n-gram lookup indexes each request instead")
+            scan = False
+        lookup = make_lookup(options.proposer, ngram_scan=scan)
         super().__init__(planner, k, int(model.max_model_len),
                          getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None),
                          lookup=lookup, stats_path=options.stats_path,

@@ -152,9 +152,10 @@ class SuffixLookup:
 LOOKUPS = {"ngram": NgramLookup, "suffix": SuffixLookup}
 
 
-def make_lookup(name: str) -> Lookup:
-    """The draft source called ``name`` (ValueError naming the choices otherwise)."""
+def make_lookup(name: str, *, ngram_scan: bool = False) -> Lookup:
+    """The draft source called ``name`` (ValueError naming the choices otherwise); ``ngram_scan``:
+    the n-gram lookup in its compiled scan form (``NgramLookup``; other lookups have one form)."""
     make = LOOKUPS.get(name)
     if make is None:
         raise ValueError(f"unknown proposer {name!r}; choose one of {', '.join(LOOKUPS)}")
-    return make()
+    return NgramLookup(scan=ngram_scan) if make is NgramLookup else make()
