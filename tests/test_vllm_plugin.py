@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +181,64 @@ def test_rows_that_keep_their_request_are_matched_on_the_fast_path():
     b.append(0, [9])
     moved = tracker.read([[9], [8]], b.lens, b.toks)
     assert moved.num_moved == 1 and not moved.decodes[1].continued and moved.decodes[0].continued
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_are_recognised_whatever_vllm_does_to_them(seed):
+    # vLLM condenses its batch, finishes requests and starts new ones in freed rows, some of them
+    # prefilling (committing nothing) for a call. A newcomer here is often built to pass for the
+    # request it replaces on all but one check: the same length before the step and head (a
+    # shared system prompt) with one tail token changed; the same length and tail with another
+    # first token; or the same head and tail, 8 tokens longer. The tracker must say which
+    # request each row holds, as the simulation knows it.
+    rng = random.Random(seed)
+    rows = 8
+    b = Batch(rows=rows)
+    truth: list[list[int] | None] = [None] * rows  # row -> the simulated request's tokens
+    prefilling = [False] * rows
+    ids: dict[int, int] = {}  # id(simulated request) -> the tracker's seq_id
+    alive = []  # every simulated request, so that no id is reused
+    tracker = RowTracker()
+    for call in range(80):
+        sampled = []
+        for row in range(rows):
+            toks = truth[row]
+            if toks is None or len(toks) > MAX_LEN - 12 or rng.random() < 0.1:  # a new request takes the row
+                variant = rng.randrange(4) if toks is not None and 12 < len(toks) < MAX_LEN - 12 else 3
+                fresh = list(toks) if variant < 3 else [rng.randrange(50) for _ in range(rng.randrange(3, 30))]
+                if variant == 0:
+                    fresh[-rng.randrange(1, 9)] += 1000
+                elif variant == 1:
+                    fresh[0] += 1000
+                elif variant == 2:
+                    fresh += fresh[-8:]
+                truth[row], prefilling[row] = fresh, rng.random() < 0.25
+                alive.append(fresh)
+                step = [] if prefilling[row] else [rng.randrange(50)]
+                fresh.extend(step)
+                b.put(row, fresh)
+            else:
+                step = [rng.randrange(50) for _ in range(1 if prefilling[row] else rng.randrange(1, 4))]
+                prefilling[row] = False
+                toks.extend(step)
+                b.append(row, step)
+            sampled.append(step)
+        num_rows = rows
+        if rng.random() < 0.3:  # condense: the last row moves into a random earlier one
+            dst = rng.randrange(rows - 1)
+            truth[dst], prefilling[dst], sampled[dst] = truth[-1], prefilling[-1], sampled[-1]
+            b.put(dst, truth[dst])
+            truth[-1], num_rows = None, rows - 1
+        batch = tracker.read(sampled[:num_rows], b.lens[:num_rows], b.toks[:num_rows])
+        assert batch.prefill_rows == [i for i in range(num_rows) if not sampled[i]]
+        for r in batch.decodes:
+            toks = truth[r.row]
+            assert r.request.toks == toks
+            if id(toks) in ids:
+                assert r.continued and r.request.seq_id == ids[id(toks)], (call, r.row)
+            else:
+                assert not r.continued, (call, r.row)
+                ids[id(toks)] = r.request.seq_id
 
 
 def test_a_row_with_other_tokens_is_a_new_request():

@@ -12,8 +12,9 @@ beliefs carry over correctly either way. A row that matches nobody is a new requ
 preempted and recomputed): its beliefs start from the planner's pooled prior.
 
 Cost (this runs every step, inside vLLM's step loop): almost every row holds the request it held
-last call, so that request is checked first, against the row's head and tail tokens gathered for
-the whole batch in two numpy reads; only rows that fail it search the other tracked requests.
+last call, so that request is checked first, for the whole batch at once in numpy (the row's
+length, head and tail tokens against what the previous call kept of it); only rows that fail it
+search the other tracked requests.
 The tokens a row committed are ``sampled_token_ids[i]`` itself (vLLM writes exactly those into
 ``token_ids_cpu`` before calling), so nothing else is copied out of the arrays per step.
 
@@ -32,6 +33,15 @@ import numpy as np
 HEAD_TOKENS = 16
 TAIL_TOKENS = 8
 _TAIL_OFFSETS = np.arange(-TAIL_TOKENS, 0)  # [TAIL_TOKENS]: -8 .. -1
+_HEAD_COLUMNS = np.arange(HEAD_TOKENS)  # [HEAD_TOKENS]
+
+
+def _tails(token_ids: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """[R, TAIL_TOKENS]: row i's TAIL_TOKENS tokens before column ends[i], clipped at column 0.
+    Worked example: ends = [20, 3] -> columns [[12..19], [0, 0, 0, 0, 0, 0, 1, 2]] (a short row
+    repeats its first token; two calls clip alike, as they compare at the same length)."""
+    cols = np.maximum(ends[:, None] + _TAIL_OFFSETS, 0)  # [R, TAIL_TOKENS]
+    return token_ids[np.arange(len(ends))[:, None], cols]
 
 
 @dataclass
@@ -101,6 +111,11 @@ class RowTracker:
         self.forget_every_calls = forget_every_calls  # how often to look for requests to forget
         self._requests: list[TrackedRequest] = []
         self._by_row: list[TrackedRequest | None] = []  # row -> the request it held last call
+        # What recognises that request in its row next call (``_remember``), one entry per row:
+        self._kept_lens = np.zeros(0, dtype=np.int64)  # [R]: its committed length (-1: no request)
+        self._kept_heads = np.zeros((0, HEAD_TOKENS), dtype=np.int64)  # [R, HEAD_TOKENS]
+        self._head_pad = np.zeros((0, HEAD_TOKENS), dtype=bool)  # [R, HEAD_TOKENS]: columns not compared
+        self._kept_tails = np.zeros((0, TAIL_TOKENS), dtype=np.int64)  # [R, TAIL_TOKENS]
         self._next_id = 0
         self._call = 0
 
@@ -118,23 +133,21 @@ class RowTracker:
         self._call += 1
         call = self._call
         num_rows = len(sampled_token_ids)
-        lens_list = num_tokens_no_spec[:num_rows].tolist()  # [R]
-        prev_list = [max(n - len(s), 1) for n, s in zip(lens_list, sampled_token_ids)]  # [R] committed before
-        # Worked example: prev = [20, 3] -> tail columns [[12..19], [0, 0, 0, 0, 0, 0, 1, 2]]
-        # (clipped at 0; a short row compares only its last prev tokens).
-        cols = np.maximum(np.array(prev_list, dtype=np.int64)[:, None] + _TAIL_OFFSETS, 0)  # [R, TAIL_TOKENS]
-        tails = token_ids_cpu[np.arange(num_rows)[:, None], cols].tolist()  # [R][TAIL_TOKENS]
-        heads = token_ids_cpu[:num_rows, :HEAD_TOKENS].tolist()  # [R][HEAD_TOKENS]
+        lens = num_tokens_no_spec[:num_rows].astype(np.int64)  # [R]
+        num_sampled = np.fromiter(map(len, sampled_token_ids), np.int64, num_rows)  # [R]
+        prev = np.maximum(lens - num_sampled, 1)  # [R] committed before the step
+        heads = token_ids_cpu[:num_rows, :HEAD_TOKENS]  # [R, HEAD_TOKENS], a view
+        tails = _tails(token_ids_cpu, prev)  # [R, TAIL_TOKENS]
+        held = self._still_held(prev, heads, tails)  # [R] bool
         by_row = self._by_row
-        num_by_row = len(by_row)
         decodes, prefill, moved = [], [], []
         rows_now: list[TrackedRequest | None] = [None] * num_rows
-        for i, sampled in enumerate(sampled_token_ids):
+        for i, (sampled, same) in enumerate(zip(sampled_token_ids, held)):
             if not sampled:
                 prefill.append(i)
                 continue
-            t = by_row[i] if i < num_by_row else None
-            if t is not None and t.last_seen < call and self._holds(t, prev_list[i], heads[i], tails[i]):
+            if same:
+                t = by_row[i]
                 t.toks.extend(sampled)
                 t.last_seen = call
                 rows_now[i] = t
@@ -143,9 +156,9 @@ class RowTracker:
                 moved.append(i)
                 decodes.append(None)  # filled below, in row order
         if moved:
-            self._place_moved(moved, decodes, rows_now, sampled_token_ids, token_ids_cpu, lens_list, prev_list,
-                              heads, tails)
-        self._by_row = rows_now
+            self._place_moved(moved, decodes, rows_now, sampled_token_ids, token_ids_cpu, lens.tolist(),
+                              prev.tolist(), heads, tails)
+        self._remember(rows_now, lens, heads, token_ids_cpu)
         forgotten = []
         horizon = call - self.forget_after_calls
         if call % self.forget_every_calls == 0 and any(t.last_seen < horizon for t in self._requests):
@@ -153,6 +166,32 @@ class RowTracker:
             forgotten = [t for t in self._requests if t.last_seen < horizon]
             self._requests = [t for t in self._requests if t.last_seen >= horizon]
         return BatchRows(decodes, num_rows, prefill, forgotten, len(moved))
+
+    def _still_held(self, prev: np.ndarray, heads: np.ndarray, tails: np.ndarray) -> list[bool]:
+        """[R]: whether row i holds the request it held last call, checked for the whole batch in
+        numpy against what ``_remember`` kept: that request's committed length then (which must be
+        the row's length before this step), the first tokens of its row (its prompt's, up to its
+        head's length) and its last TAIL_TOKENS tokens. The same test as ``_holds``: the row then
+        held exactly the request's tokens, and committed tokens do not change."""
+        num_rows = len(prev)
+        m = min(num_rows, len(self._by_row))
+        held = np.zeros(num_rows, dtype=bool)  # [R]
+        if m:
+            head_ok = ((heads[:m] == self._kept_heads[:m]) | self._head_pad[:m]).all(axis=1)  # [m]
+            held[:m] = (prev[:m] == self._kept_lens[:m]) & head_ok & (tails[:m] == self._kept_tails[:m]).all(axis=1)
+        return held.tolist()
+
+    def _remember(self, rows_now: list, lens: np.ndarray, heads: np.ndarray, token_ids_cpu: np.ndarray) -> None:
+        """Keep what ``_still_held`` checks next call, per row: its request, that request's
+        committed length (-1 for a row holding none), its row's head tokens (copied out of vLLM's
+        buffer, which the next step rewrites) with the columns past its head's length masked, and
+        its last TAIL_TOKENS tokens."""
+        self._by_row = rows_now
+        head_lens = np.array([len(t.head) if t is not None else 0 for t in rows_now], dtype=np.int64)  # [R]
+        self._kept_lens = np.where(head_lens > 0, lens, -1)  # [R]
+        self._kept_heads = heads.copy()  # [R, HEAD_TOKENS]
+        self._head_pad = _HEAD_COLUMNS >= head_lens[:, None]  # [R, HEAD_TOKENS]: not compared
+        self._kept_tails = _tails(token_ids_cpu, lens)  # [R, TAIL_TOKENS]
 
     @staticmethod
     def _holds(t: TrackedRequest, prev_len: int, head: list[int], tail: list[int]) -> bool:
@@ -175,7 +214,8 @@ class RowTracker:
             while decodes[slot] is not None:
                 slot += 1
             sampled = sampled_token_ids[i]
-            t = next((c for c in free if c.last_seen < call and self._holds(c, prev[i], heads[i], tails[i])), None)
+            head, tail = heads[i].tolist(), tails[i].tolist()
+            t = next((c for c in free if c.last_seen < call and self._holds(c, prev[i], head, tail)), None)
             if t is not None:
                 t.toks.extend(sampled)
                 decodes[slot] = Row(i, t, len(sampled), continued=True)
