@@ -204,7 +204,7 @@ class RowTracker:
         return head[:h] == t.head and tail[TAIL_TOKENS - m:] == t.toks[-m:]
 
     def _place_moved(self, moved: list[int], decodes: list, rows_now: list, sampled_token_ids, token_ids_cpu,
-                     lens: list[int], prev: list[int], heads: list, tails: list) -> None:
+                     lens: list[int], prev: list[int], heads: np.ndarray, tails: np.ndarray) -> None:
         """Rows whose request is not the one they held last call: another tracked request (the
         batch condensed) or a new one."""
         call = self._call
