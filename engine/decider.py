@@ -38,6 +38,16 @@ class StepView:
     # Query tokens left in the step's token budget for drafts, shared by all requests (None: no
     # limit). 0 when a prefill chunk took the rest: the engine then runs no drafts, whatever k.
     draft_budget: int | None = None
+    # Decode-ready requests left out of ``requests`` because no draft can be given to them this
+    # step (their lookup found none), and their context lengths summed: each gets 0. Only for a
+    # decider that ``takes_idle_requests``; at B = 32 under vLLM most rows of most steps.
+    idle_seq_ids: tuple[int, ...] = ()
+    idle_context_tokens: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        """Decode-ready requests in the step, the idle ones included."""
+        return len(self.requests) + len(self.idle_seq_ids)
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,14 @@ class StepRecord:
     # Draft-model (head) passes the step's proposal ran (DraftTokens.passes); None: no draft model
     # ran or the proposer does not say (a lookup).
     draft_passes: int | None = None
+    # Decode requests left out of ``requests``: given no drafts, each emitted one token (only from
+    # an engine whose decider ``takes_idle_requests``; StepView.idle_seq_ids).
+    num_idle: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        """Decode requests in the step, the idle ones included."""
+        return len(self.requests) + self.num_idle
 
 
 @dataclass(frozen=True)
@@ -166,6 +184,22 @@ def may_speculate(decider: SpecDecider, outline: StepOutline) -> bool:
     """The decider's answer for this step, or True when it does not screen steps."""
     screen = getattr(decider, "may_speculate", None)
     return True if screen is None else bool(screen(outline))
+
+
+class TakesIdleRequests(Protocol):
+    """Optional for a ``SpecDecider``: True when ``decide`` may be shown only the requests that have
+    drafts, the others summarised in ``StepView.idle_seq_ids`` (answered 0), and ``observe`` only
+    the requests that were given drafts, the others counted in ``StepRecord.num_idle``. The same
+    decisions either way; an engine that builds a view per request per step (the vLLM plugin at
+    B = 32, where most rows have no draft) then builds a few. Read it through
+    ``takes_idle_requests()``."""
+
+    takes_idle_requests: bool
+
+
+def takes_idle_requests(decider: SpecDecider) -> bool:
+    """The decider's ``takes_idle_requests``, False when it does not declare it."""
+    return bool(getattr(decider, "takes_idle_requests", False))
 
 
 class PredictsStepTime(Protocol):

@@ -320,11 +320,24 @@ class Planner:
         self._chosen_gains = {}
         self.last_state, self.last_ks = None, [0] * n
 
+    @property
+    def takes_idle_requests(self) -> bool:
+        """The engine's ``TakesIdleRequests``: whether ``decide`` may be shown only the requests with
+        drafts (the rest in ``StepView.idle_seq_ids``). Yes when the policy reads requests without
+        drafts only through their number (``counts_idle_requests``); the heuristic, which
+        remembers every request it sees, does not."""
+        return bool(getattr(self.policy, "counts_idle_requests", False))
+
     def decide(self, view: StepView) -> list[int]:
-        pause = self._pause_for(len(view.requests))
+        idle = view.idle_seq_ids
+        if idle and not self.takes_idle_requests:
+            raise ValueError(f"policy {self.policy.name!r} must see every request; "
+                             "this planner does not take idle requests (StepView.idle_seq_ids)")
+        num_all = len(view.requests) + len(idle)
+        pause = self._pause_for(num_all)
         start = pause.clock() if pause is not None else 0.0
-        if pause is not None and pause.paused(self._step + 1, len(view.requests), view.num_prefill_seqs > 0):
-            self._answer_zeros(len(view.requests))  # an engine that does not screen steps
+        if pause is not None and pause.paused(self._step + 1, num_all, view.num_prefill_seqs > 0):
+            self._answer_zeros(num_all)  # an engine that does not screen steps
             self._pause_answered = True
             return [0] * len(view.requests)
         self._pause_answered = False
@@ -332,6 +345,10 @@ class Planner:
         proposer = self.proposer or view.proposer
         planner_cap = self.config.max_k
         step = self._step
+        for seq_id in idle:  # seen (not forgotten), and nothing else: ``_no_drafts`` without its state
+            t = self._requests.get(seq_id)
+            if t is not None:
+                t.last_seen_step = step
         # Each draft's gain scaled by what the chosen drafts have yielded against their estimates.
         factor = self.calibration.factor if self.calibration is not None else 1.0
         reqs, beliefs = [], []
@@ -351,7 +368,7 @@ class Planner:
             reqs.append(_request_state(rv.seq_id, rv.request_id, max(0, min(rv.max_k, planner_cap)), rv.num_tokens,
                                        estimate, t.last_outcome, acc.steps_observed, rv.greedy, acc.pool.evidence,
                                        rv.available_drafts is not None))
-        num_decodes = len(reqs)
+        num_decodes = len(reqs) + len(idle)
         base = StepShape(num_decodes + view.num_prefill_seqs, num_decodes + view.num_prefill_tokens,
                          view.context_tokens)
         # When no request can be given a draft (the lookup found none, or every cap is 0), every
@@ -363,14 +380,15 @@ class Planner:
                    StepPricing(latency=self.latency, draft_cost=self.draft_cost, overhead_s=self.overhead_s))
         state = PolicyState(requests=tuple(reqs), base=base, max_k=planner_cap, proposer=proposer,
                             workload=self.workload, pricing=pricing, sla_itl_s=self.sla_itl_s,
-                            draft_budget=view.draft_budget, roofline=self.roofline)
+                            draft_budget=view.draft_budget, roofline=self.roofline, num_idle=len(idle),
+                            idle_context_tokens=view.idle_context_tokens)
         if may_draft:
             ks = self.policy.choose(state)
-            if len(ks) != num_decodes:
-                raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {num_decodes} requests")
+            if len(ks) != len(reqs):
+                raise RuntimeError(f"policy {self.policy.name!r} returned {len(ks)} k values for {len(reqs)} requests")
             ks = [max(0, min(int(k), r.max_k)) for k, r in zip(ks, reqs)]
         else:
-            ks = [0] * num_decodes
+            ks = [0] * len(reqs)
         self.draft_stop = None
         if (self.confidence is not None and getattr(self.policy, "stops_on_confidence", False)
                 and proposer not in LOOKUP_PROPOSERS and any(k and not r.looked_up for k, r in zip(ks, reqs))):
@@ -380,7 +398,7 @@ class Planner:
                                   for r, acc, k in zip(reqs, beliefs, ks) if k}
         self.last_state, self.last_ks = state, ks
         self.num_decisions += num_decodes
-        self.num_zero_decisions += ks.count(0)
+        self.num_zero_decisions += ks.count(0) + len(idle)
         if step % 64 == 0:
             self._forget_stale()
         if pause is not None and not pause.measures(num_decodes):  # the measured rule times the step in observe
@@ -403,11 +421,11 @@ class Planner:
         """Seconds the step with these drafts is predicted to save: its expected tokens at SD off's
         seconds per token, less its own seconds (both charged to the decodes)."""
         cost = state.cost_model()
-        n = len(ks)
-        off_s = cost.charged_seconds((0,) * n)
+        off_s = cost.charged_seconds((0,) * len(ks))
         # A request given no draft emits its one token (expected_emitted(0) is 1.0, the same float).
-        tokens = sum(r.acceptance.expected_emitted(k) if k else 1.0 for r, k in zip(state.requests, ks))
-        return tokens * off_s / n - cost.charged_seconds(ks)
+        tokens = state.num_idle + sum(r.acceptance.expected_emitted(k) if k else 1.0
+                                      for r, k in zip(state.requests, ks))
+        return tokens * off_s / state.batch_size - cost.charged_seconds(ks)
 
     def _confident_drafts(self, state: PolicyState, ks: list[int]) -> tuple[list[int], ConfidenceStop]:
         """With drafts chosen for a model proposer: each request it drafts for may draft up to its
@@ -418,14 +436,14 @@ class Planner:
         drafts are all verified, none is stopped. Without room under the SLA or the step's draft
         budget for the deeper drafts, the chosen k stay as they are."""
         cost = state.cost_model()
-        token, pass_ = marginal_draft_prices([r.acceptance for r in state.requests], ks, cost)
+        token, pass_ = marginal_draft_prices([r.acceptance for r in state.requests], ks, cost, state.num_idle)
         deeper = [r.max_k if k and not r.looked_up else k for r, k in zip(state.requests, ks)]
         fits = ((state.sla_itl_s is None or cost.seconds(deeper) <= state.sla_itl_s)
                 and (state.draft_budget is None or sum(deeper) <= state.draft_budget))
         return (deeper if fits else ks), self.confidence.stop(token, pass_)
 
     def observe(self, record: StepRecord) -> None:
-        n = len(record.requests)
+        n = len(record.requests) + getattr(record, "num_idle", 0)
         pause = self.pause
         weighed = pause is not None and n > 0 and pause.weighs(n)
         # Only the measured rule (B = 2-7) times steps here; at larger B nothing is read or summed.
@@ -442,7 +460,7 @@ class Planner:
             if prefill:
                 self.draft_slope.prefilled()
         if measured or (prefill and pause is not None):
-            tokens = sum(rr.num_emitted for rr in record.requests)
+            tokens = getattr(record, "num_idle", 0) + sum(rr.num_emitted for rr in record.requests)
             seconds = record.total_s + (pause.clock() - start if measured else 0.0)
             pause.timed(self._step, n, tokens, seconds, paused=answered and weighed, prefill=prefill)
 
@@ -505,7 +523,7 @@ class Planner:
         measured = record.forward_s + record.verify_s
         model = self.latency.inner
         drafts = min(drafts, record.num_tokens - record.num_seqs)
-        num_decodes = len(record.requests)
+        num_decodes = len(record.requests) + getattr(record, "num_idle", 0)
         # The slope compares decode steps of one batch size with each other: a step that also
         # (or only) prefills is another regime, e.g. a 400-token prompt at B = 1 would become the
         # plain baseline its next decode steps are measured against.

@@ -174,16 +174,18 @@ class StepCostModel:
         return self.seconds(ks) - self.shared_s
 
 
-def step_goodput(estimates: Sequence[AcceptanceEstimate], ks: Sequence[int], cost: StepCostModel) -> float:
-    """Expected emitted tokens per charged second of the step that gives request i ks[i] drafts."""
+def step_goodput(estimates: Sequence[AcceptanceEstimate], ks: Sequence[int], cost: StepCostModel,
+                 num_idle: int = 0) -> float:
+    """Expected emitted tokens per charged second of the step that gives request i ks[i] drafts,
+    beside ``num_idle`` decodes without drafts (one token each: PolicyState.num_idle)."""
     if len(estimates) != len(ks):
         raise ValueError(f"{len(estimates)} estimates but {len(ks)} k values")
-    tokens = sum(e.expected_emitted(k) for e, k in zip(estimates, ks))
+    tokens = num_idle + sum(e.expected_emitted(k) for e, k in zip(estimates, ks))
     return tokens / cost.charged_seconds(ks)
 
 
-def marginal_draft_prices(estimates: Sequence[AcceptanceEstimate], ks: Sequence[int], cost: StepCostModel
-                          ) -> tuple[float, float]:
+def marginal_draft_prices(estimates: Sequence[AcceptanceEstimate], ks: Sequence[int], cost: StepCostModel,
+                          num_idle: int = 0) -> tuple[float, float]:
     """(token, pass): in expected tokens, what one more draft adds to the step that gives request
     i ks[i] drafts (its query token, and any per-token drafting), and what one more draft-model
     pass adds; each the step's goodput times the charged seconds. Once its pass has run, a draft
@@ -195,7 +197,7 @@ def marginal_draft_prices(estimates: Sequence[AcceptanceEstimate], ks: Sequence[
     head is 35% sure of was dropped after the pass that drew it had already run."""
     if not ks:
         return 0.0, 0.0
-    goodput = step_goodput(estimates, ks, cost)
+    goodput = step_goodput(estimates, ks, cost, num_idle)
     total = sum(ks)
     token_s = cost.target_seconds(total + 1) - cost.target_seconds(total) + cost.draft_cost.per_token_s
     return goodput * max(0.0, token_s), goodput * cost.draft_cost.per_pass_s

@@ -84,6 +84,11 @@ class PolicyState:
     sla_itl_s: float | None = None  # predicted step time must stay under this
     draft_budget: int | None = None  # drafts the step can carry in all (the engine's token budget)
     roofline: Roofline | None = None
+    # Decode-ready requests not in ``requests``: no draft can be given to them this step (their
+    # lookup found none), so a policy that ``counts_idle_requests`` reads only their number and
+    # context (each emits its one token); the planner leaves them out for such a policy only.
+    num_idle: int = 0
+    idle_context_tokens: int = 0
     # slope -> the StepCostModel built at it (``cost_model``): the policy's plan, the planner's
     # pause and its predicted step time ask the same step's cost, and each model keeps the curve
     # it priced, so one pricing serves them all.
@@ -91,13 +96,13 @@ class PolicyState:
 
     @property
     def batch_size(self) -> int:
-        """Decode-ready requests in the step (what batch-size tables are keyed on)."""
-        return len(self.requests)
+        """Decode-ready requests in the step, the idle ones included (what batch-size tables are keyed on)."""
+        return len(self.requests) + self.num_idle
 
     @property
     def decode_only(self) -> bool:
         """Whether the step carries no prefill chunk beside its decodes."""
-        return self.base.num_tokens <= len(self.requests)
+        return self.base.num_tokens <= self.batch_size
 
     def shape_with(self, total_drafts: int) -> StepShape:
         """The step's shape when it carries ``total_drafts`` drafts in all."""
@@ -126,11 +131,11 @@ class PolicyState:
 
     def _prefill_seconds(self) -> float:
         """The base step's time beyond what its decodes alone would take (0 without prefill chunks)."""
-        n = len(self.requests)
+        n = self.batch_size
         if n == 0 or self.decode_only:
             return 0.0
         latency = self.pricing.latency
-        decodes = StepShape(n, n, sum(r.context_tokens for r in self.requests))
+        decodes = StepShape(n, n, sum(r.context_tokens for r in self.requests) + self.idle_context_tokens)
         return max(0.0, latency.predict(self.base) - latency.predict(decodes))
 
     def capped(self, k: int) -> list[int]:
@@ -146,5 +151,8 @@ class Policy(Protocol):
     requires: frozenset[str]
 
     def choose(self, state: PolicyState) -> list[int]:
-        """k per request of ``state.requests`` (0 = no speculation), each within its max_k."""
+        """k per request of ``state.requests`` (0 = no speculation), each within its max_k. A policy
+        may declare ``counts_idle_requests = True`` (read with getattr, default False): it reads the
+        requests that cannot draft only through ``state.num_idle`` (and the batch size), so the
+        planner may leave them out of ``state.requests``."""
         ...

@@ -22,6 +22,8 @@ DEFAULT_TABLE: tuple[tuple[int, int], ...] = ((1, 6), (2, 4), (4, 3), (8, 2), (1
 class BatchTablePolicy:
     table: tuple[tuple[int, int], ...] = DEFAULT_TABLE
     requires: ClassVar[frozenset[str]] = frozenset()
+    # A request with no draft found runs none, whatever k it is given: counting it is enough (Policy.choose).
+    counts_idle_requests: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not self.table:

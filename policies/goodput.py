@@ -100,14 +100,15 @@ _FEW_DRAFTS = 64
 
 def _best_few(rows: Sequence[tuple[float, ...]], lengths: Sequence[int], depths: Sequence[int], limit: int,
               cost: StepCostModel, sla_s: float | None, floor: float,
-              drafted: Sequence[bool] | None = None) -> tuple[tuple[int, ...], float]:
+              drafted: Sequence[bool] | None = None, num_idle: int = 0) -> tuple[tuple[int, ...], float]:
     """``allocate``'s search over at most ``_FEW_DRAFTS`` candidates, in plain Python: the same
     order (one stable sort, ties to the earlier request), the same depth caps in the same order,
     the same float operations in the same order, so the same answer (tests/test_planner.py checks
     both on random problems, chains of lookup and model drafts included). ``depths``: the depth
     caps to try (a cap D keeps model drafts at positions < D and every lookup draft, whose
     request ``drafted`` marks False); a cap must beat the best so far, starting from ``floor``.
-    Returns (ks, goodput), or ((), floor) when no total beats ``floor``.
+    ``num_idle``: decodes beside ``rows`` that draft nothing (one token each). Returns (ks, goodput),
+    or ((), floor) when no total beats ``floor``.
 
     At B = 4 on the chain (four depth caps or more a step) the numpy search took ~0.47 ms of a
     ~37 ms step in the engine; a head's drafts always bring several caps."""
@@ -118,7 +119,7 @@ def _best_few(rows: Sequence[tuple[float, ...]], lengths: Sequence[int], depths:
     deepest = max(lengths, default=0)
     draft = cost.draft_cost
     fixed = cost.overhead_s - cost.shared_s
-    num = len(lengths)
+    num = len(lengths) + num_idle
     best_g, best = floor, ()
     for depth in depths:
         # A cap at or past the deepest draft keeps them all (as allocate's numpy search does for
@@ -141,7 +142,7 @@ def _best_few(rows: Sequence[tuple[float, ...]], lengths: Sequence[int], depths:
             best_g, best = depth_g, order[:best_n]
     if not best:
         return (), floor
-    ks = [0] * num
+    ks = [0] * len(lengths)
     for x in best:
         ks[owners[x]] += 1
     return tuple(ks), best_g
@@ -175,16 +176,18 @@ def any_draft_pays(num: int, cap: int, cost: StepCostModel, *, sla_itl_s: float 
 
 def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost: StepCostModel, *,
              sla_itl_s: float | None = None, min_relative_gain: float = 0.0,
-             max_total_drafts: int | None = None) -> Allocation:
+             max_total_drafts: int | None = None, num_idle: int = 0) -> Allocation:
     """k_i in [0, caps[i]] maximising predicted goodput; all zeros when nothing beats plain decoding
     by ``min_relative_gain`` (e.g. a compute-bound step) or when even plain decoding breaks the SLA.
     ``max_total_drafts`` caps the drafts of the whole step (the engine's token budget): only the
-    best that many gains are candidates."""
-    num = len(estimates)
-    if len(caps) != num:
-        raise ValueError(f"{num} estimates but {len(caps)} caps")
-    zeros = (0,) * num
-    if num == 0:
+    best that many gains are candidates. ``num_idle``: decodes of the step beside ``estimates``
+    that cannot draft (PolicyState.num_idle): each emits one token, so they count in goodput as
+    requests whose estimates are all 0 would, without being searched."""
+    if len(caps) != len(estimates):
+        raise ValueError(f"{len(estimates)} estimates but {len(caps)} caps")
+    num = len(estimates) + num_idle  # the step's decodes: goodput is (num + drafts' gains) / seconds
+    zeros = (0,) * len(estimates)
+    if not estimates:
         return Allocation((), 0.0, 0.0, 0.0)
     # Goodput is over the seconds charged to the decodes (StepCostModel.charged_seconds); the
     # SLA bounds the whole step. Both differ by the constant ``shared``, so the search runs on
@@ -227,27 +230,27 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
                   else (model_deepest,))
     limit = sum(lengths) if max_total_drafts is None else max(0, min(sum(lengths), max_total_drafts))
     if sum(lengths) <= _FEW_DRAFTS or (len(depth_caps) == 1 and limit <= _FEW_DRAFTS):
-        ks, goodput = _best_few(rows, lengths, depth_caps, limit, cost, sla_s, floor, drafted)
+        ks, goodput = _best_few(rows, lengths, depth_caps, limit, cost, sla_s, floor, drafted, num_idle)
         if not ks:
             return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
         return Allocation(ks, goodput, cost.seconds(ks), off_goodput)
     # Request i's gains, padded with -1 past its length (gains are >= 0, so padding sorts last
-    # and is cut off): [num, deepest].
+    # and is cut off): [requests, deepest].
     if all(len(g) == width for g in rows):  # the planner's estimates: one length, max_k
-        table = np.array(rows, dtype=float)[:, :deepest]  # [num, deepest]
+        table = np.array(rows, dtype=float)[:, :deepest]  # [requests, deepest]
         table[np.arange(deepest) >= np.array(lengths)[:, None]] = -1.0
     else:
         pad = (-1.0,) * deepest
-        table = np.array([g[:n] + pad[n:] for g, n in zip(rows, lengths)], dtype=float)  # [num, deepest]
+        table = np.array([g[:n] + pad[n:] for g, n in zip(rows, lengths)], dtype=float)  # [requests, deepest]
     # All gains in one flat array, request i's at [i * deepest, i * deepest + caps[i]). One stable
     # sort (ties go to the earlier request) serves every depth cap: a cap keeps a subsequence of
     # the same order.
     # Worked example, deepest = 3: request 0's gains (0.9, 0.5) and request 1's (0.7,) flatten to
     # [0.9, 0.5, -1, 0.7, -1, -1]; the order is [0, 3, 1] (x // 3 is the request, x % 3 the
     # position), and n = 2 drafts give k = (1, 1).
-    flat = table.ravel()  # [num * deepest]
+    flat = table.ravel()  # [requests * deepest]
     full = np.argsort(-flat, kind="stable")[:sum(lengths)]  # [drafts], best gain first
-    passless = ~np.array(drafted or (True,) * num)[full // deepest]  # [drafts]: lookup drafts
+    passless = ~np.array(drafted or (True,) * len(estimates))[full // deepest]  # [drafts]: lookup drafts
     best_n, best_g, chosen = 0, floor, full
     for depth in depth_caps:
         order = full if depth >= model_deepest else full[(full % deepest < depth) | passless]
@@ -258,7 +261,7 @@ def allocate(estimates: Sequence[AcceptanceEstimate], caps: Sequence[int], cost:
             best_n, best_g, chosen = n, g, order
     if best_n == 0:
         return Allocation(zeros, off_goodput, off_s + shared, off_goodput)
-    ks = tuple(np.bincount(chosen[:best_n] // deepest, minlength=num).tolist())
+    ks = tuple(np.bincount(chosen[:best_n] // deepest, minlength=len(estimates)).tolist())
     return Allocation(ks, best_g, cost.seconds(ks), off_goodput)
 
 
@@ -294,6 +297,8 @@ class GoodputPolicy:
     # turns it on.
     confidence_stop: bool = False
     requires: ClassVar[frozenset[str]] = frozenset({"latency"})
+    # A request that cannot draft counts only in goodput's token count (allocate's ``num_idle``).
+    counts_idle_requests: ClassVar[bool] = True
     # Its choices are weighed in seconds, so the planner may weigh its own seconds against what
     # they save, and stop planning while they do not pay (planner/pause.py).
     weighs_planning_cost: ClassVar[bool] = True
@@ -324,7 +329,7 @@ class GoodputPolicy:
     def _allocate(self, state: PolicyState, cost: StepCostModel) -> Allocation:
         return allocate([r.acceptance for r in state.requests], [r.max_k for r in state.requests], cost,
                         sla_itl_s=state.sla_itl_s, min_relative_gain=self.min_relative_gain,
-                        max_total_drafts=state.draft_budget)
+                        max_total_drafts=state.draft_budget, num_idle=state.num_idle)
 
     def plan(self, state: PolicyState) -> Allocation:
         """The full allocation (predicted goodput and step time too), for reports and tests."""
@@ -344,7 +349,7 @@ class GoodputPolicy:
         cuts what an allocation at the learned price, or a probe at the optimistic one, hands out;
         so False is exact: plan would answer 0 for all, and the engine can skip its lookups."""
         def pays(cost: StepCostModel) -> bool:
-            return any_draft_pays(len(state.requests), state.max_k, cost, sla_itl_s=state.sla_itl_s,
+            return any_draft_pays(state.batch_size, state.max_k, cost, sla_itl_s=state.sla_itl_s,
                                   min_relative_gain=self.min_relative_gain, max_total_drafts=state.draft_budget)
 
         if pays(state.cost_model()):
@@ -396,7 +401,8 @@ class GoodputPolicy:
         for i in fresh[allowed:]:
             ks[i] = 0
         estimates = [r.acceptance for r in state.requests]
-        return Allocation(tuple(ks), step_goodput(estimates, ks, cost), cost.seconds(ks), chosen.off_goodput)
+        return Allocation(tuple(ks), step_goodput(estimates, ks, cost, state.num_idle), cost.seconds(ks),
+                          chosen.off_goodput)
 
     def optimistic_estimates(self, state: PolicyState) -> list[AcceptanceEstimate] | None:
         """Each request's estimate with its first draft valued ``explore_optimism`` standard
@@ -437,7 +443,7 @@ class GoodputPolicy:
         caps = [r.max_k for r in state.requests]
         optimistic = next((ks for ks in (allocate(e, caps, c, sla_itl_s=state.sla_itl_s,
                                                   min_relative_gain=self.min_relative_gain,
-                                                  max_total_drafts=state.draft_budget).ks
+                                                  max_total_drafts=state.draft_budget, num_idle=state.num_idle).ks
                                          for e, c in candidates) if any(ks)), None)
         if optimistic is None:
             return None
@@ -447,7 +453,7 @@ class GoodputPolicy:
             step_s = cost.seconds(ks)
             if state.sla_itl_s is not None and step_s > state.sla_itl_s:
                 return None
-            goodput = step_goodput(estimates, ks, cost)
+            goodput = step_goodput(estimates, ks, cost, state.num_idle)
             return Allocation(ks, goodput, step_s, off.off_goodput) if goodput >= floor else None
 
         for depth in range(max(optimistic), 1, -1):

@@ -29,6 +29,8 @@ class OraclePolicy:
     table: Mapping[Hashable, Mapping[int, float]]
     cell: Hashable | None = None
     requires: ClassVar[frozenset[str]] = frozenset()
+    # A request with no draft found runs none, whatever k it is given: counting it is enough (Policy.choose).
+    counts_idle_requests: ClassVar[bool] = True
     name: ClassVar[str] = "oracle"
 
     def __post_init__(self) -> None:

@@ -20,6 +20,8 @@ from ..planner.policy import PolicyState
 class RooflinePolicy:
     k: int = 4
     requires: ClassVar[frozenset[str]] = frozenset({"roofline"})
+    # A request with no draft found runs none, whatever k it is given: counting it is enough (Policy.choose).
+    counts_idle_requests: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.k < 0:

@@ -12,6 +12,8 @@ from ..planner.policy import PolicyState
 class StaticPolicy:
     k: int
     requires: ClassVar[frozenset[str]] = frozenset()
+    # A request with no draft found runs none, whatever k it is given: counting it is enough (Policy.choose).
+    counts_idle_requests: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.k < 0:

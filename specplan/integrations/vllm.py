@@ -62,7 +62,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from specplan.engine.decider import RequestRecord, RequestView, StepOutline, StepRecord, StepView, may_speculate
+from specplan.engine.decider import (RequestRecord, RequestView, StepOutline, StepRecord, StepView, may_speculate,
+                                     takes_idle_requests)
 from specplan.planner import Planner, PlannerConfig, planner_from_profile
 from specplan.planner.filler import filler
 from specplan.planner.pause import PauseConfig
@@ -266,6 +267,9 @@ class PlanningDrafter:
                  stats_path: str | None = None, stats_every_s: float = 0.0,
                  clock: Callable[[], float] = time.perf_counter):
         self.planner = planner
+        # Rows without drafts are only counted in what the planner is shown and told (at B = 32
+        # most rows of most steps; engine/decider.py ``TakesIdleRequests``).
+        self.summarise_idle = takes_idle_requests(planner)
         self.k = num_speculative_tokens
         self.planner_max_k = getattr(getattr(planner, "config", None), "max_k", num_speculative_tokens)
         self.max_model_len = max_model_len
@@ -336,7 +340,8 @@ class PlanningDrafter:
     def _record(self, batch: BatchRows, total_s: float, slot_mappings: Any) -> StepRecord:
         """The step that just ran, as the built-in engine reports one (engine/decider.py)."""
         reqs, decode_tokens, context = [], 0, 0
-        new_prompt_tokens = accepted = 0
+        new_prompt_tokens = accepted = num_idle = 0
+        summarise = self.summarise_idle
         for r in batch.decodes:
             t = r.request
             prev_len = t.num_tokens - r.num_sampled  # committed before the step
@@ -346,6 +351,9 @@ class PlanningDrafter:
                 continue
             decode_tokens += 1 + t.proposed
             context += prev_len + 1 + t.proposed
+            if summarise and not t.asked and r.num_sampled == 1:  # given no drafts, emitted its token
+                num_idle += 1
+                continue
             num_accepted = r.num_accepted
             reqs.append(_request_record(t.seq_id, "", t.asked, t.proposed, num_accepted, r.num_sampled,
                                         t.natural_k, t.match_length, None, False))  # no confidence, no stop rule
@@ -357,7 +365,7 @@ class PlanningDrafter:
         own = min(self._prev_own_s, total_s)
         return StepRecord(requests=tuple(reqs), num_seqs=batch.num_rows, num_tokens=decode_tokens + prefill_tokens,
                           num_prefill_tokens=prefill_tokens, context_tokens=context + prefill_tokens,
-                          propose_s=own, forward_s=total_s - own, verify_s=0.0, total_s=total_s)
+                          propose_s=own, forward_s=total_s - own, verify_s=0.0, total_s=total_s, num_idle=num_idle)
 
     @staticmethod
     def _prompts_record(batch: BatchRows) -> StepRecord:
@@ -416,15 +424,28 @@ class PlanningDrafter:
                            self._budget(batch, len(requests)))
 
     def _decide(self, batch: BatchRows, requests: list, found: list[Found]) -> list[int]:
-        views, context = [], 0
+        """k per decoding row. Rows whose lookup found nothing are shown to the planner only as
+        ``idle_seq_ids`` (and their context) when it takes them so (``summarise_idle``); each is given 0."""
+        summarise = self.summarise_idle
+        views, idle, context, idle_context = [], [], 0, 0
         for t, f in zip(requests, found):
             n = t.num_tokens
             context += n
             drafts = len(f.drafts)
+            if summarise and not drafts:
+                idle.append(t.seq_id)
+                idle_context += n
+                continue
             views.append(_request_view(t.seq_id, "", n, n - t.first_len + 1, drafts, True, drafts, f.match_length))
         view = StepView(requests=tuple(views), num_prefill_tokens=0, num_prefill_seqs=len(batch.prefill_rows),
-                        context_tokens=context, proposer=self.lookup.name, draft_budget=self._budget(batch, len(views)))
-        return self.planner.decide(view)
+                        context_tokens=context, proposer=self.lookup.name,
+                        draft_budget=self._budget(batch, len(requests)), idle_seq_ids=tuple(idle),
+                        idle_context_tokens=idle_context)
+        ks = self.planner.decide(view)
+        if not idle:
+            return ks
+        given = iter(ks)  # one k per row with drafts, in batch order
+        return [next(given) if f.drafts else 0 for f in found]
 
     def _write_stats(self) -> None:
         tmp = self.stats_path.with_suffix(self.stats_path.suffix + ".tmp")
